@@ -1,0 +1,7 @@
+"""tessera: fast full-graph GNN training."""
+
+from tessera.errors import DatasetError, GraphError, TesseraError
+from tessera.graph import Graph
+
+__version__ = "0.1.0"
+__all__ = ["Graph", "GraphError", "DatasetError", "TesseraError", "__version__"]

@@ -1,0 +1,423 @@
+"""The validated, destination-major CSR graph that every tessera component consumes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessera.errors import GraphError
+
+_INT32_MAX = 2**31 - 1
+_MASKS = ("train_mask", "val_mask", "test_mask")
+
+
+@dataclass(frozen=True)
+class TransposedCSR:
+    """Source-major CSR of a graph: ``indices[indptr[j]:indptr[j+1]]`` are the out-neighbours of
+    ``j`` and ``perm`` maps each transposed position to its edge id in the destination-major CSR."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    perm: torch.Tensor
+
+
+def _as_tensor(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        t = a.detach()
+    else:
+        t = torch.as_tensor(np.asarray(a))
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
+
+
+def index_dtype(num_nodes: int, num_edges: int) -> torch.dtype:
+    """int32 when every vertex id and edge offset fits, else int64."""
+    return torch.int32 if max(num_nodes, num_edges) <= _INT32_MAX else torch.int64
+
+
+@dataclass(eq=False)
+class Graph:
+    """A graph as destination-major CSR plus optional node and edge data.
+
+    ``indices[indptr[i]:indptr[i+1]]`` are the in-neighbours (message sources) of vertex ``i``,
+    so aggregation over a row is a reduction into one output vertex. In PyG terms an edge
+    ``(edge_index[0, e], edge_index[1, e]) = (j, i)`` is stored in row ``i``.
+    Every construction validates its inputs and raises :class:`GraphError` naming the problem.
+    """
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    num_nodes: int
+    edge_weight: torch.Tensor | None = None
+    edge_type: torch.Tensor | None = None
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
+    train_mask: torch.Tensor | None = None
+    val_mask: torch.Tensor | None = None
+    test_mask: torch.Tensor | None = None
+    num_classes: int | None = None
+    name: str = "graph"
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.num_nodes = int(self.num_nodes)
+        n = self.num_nodes
+        if n < 0:
+            raise GraphError(f"num_nodes must be non-negative, got {n}")
+        indptr = _as_tensor(self.indptr)
+        indices = _as_tensor(self.indices)
+        if indptr.dim() != 1 or indices.dim() != 1:
+            raise GraphError("indptr and indices must be one-dimensional")
+        if indptr.dtype.is_floating_point or indices.dtype.is_floating_point or indptr.dtype == torch.bool:
+            raise GraphError(f"indptr and indices must be integer arrays, got {indptr.dtype} and {indices.dtype}")
+        if indptr.numel() != n + 1:
+            raise GraphError(f"indptr has length {indptr.numel()}, expected num_nodes + 1 = {n + 1}")
+        e = indices.numel()
+        ip64 = indptr.to(torch.int64)
+        if int(ip64[0]) != 0:
+            raise GraphError(f"indptr must start at 0, starts at {int(ip64[0])}")
+        if n > 0 and bool((ip64[1:] < ip64[:-1]).any()):
+            bad = int(torch.nonzero(ip64[1:] < ip64[:-1])[0])
+            raise GraphError(f"indptr is not monotone: indptr[{bad + 1}] < indptr[{bad}]")
+        if int(ip64[-1]) != e:
+            raise GraphError(f"indptr ends at {int(ip64[-1])} but indices has length {e}")
+        if e:
+            lo, hi = int(indices.min()), int(indices.max())
+            if lo < 0 or hi >= n:
+                bad = lo if lo < 0 else hi
+                raise GraphError(f"edge source index {bad} out of range [0, {n})")
+        idt = index_dtype(n, e)
+        self.indptr = indptr.to(idt)
+        self.indices = indices.to(idt)
+        if self.edge_weight is not None:
+            w = _as_tensor(self.edge_weight, torch.float32)
+            if w.shape != (e,):
+                raise GraphError(f"edge_weight has shape {tuple(w.shape)}, expected ({e},)")
+            if not bool(torch.isfinite(w).all()):
+                raise GraphError("edge_weight contains NaN or inf")
+            self.edge_weight = w
+        if self.edge_type is not None:
+            t = _as_tensor(self.edge_type)
+            if t.dtype.is_floating_point or t.shape != (e,):
+                raise GraphError(f"edge_type must be an integer array of shape ({e},)")
+            t = t.to(torch.int64)
+            if e and int(t.min()) < 0:
+                raise GraphError("edge_type contains negative values")
+            self.edge_type = t
+        self._validate_node_data()
+
+    def _validate_node_data(self) -> None:
+        n = self.num_nodes
+        if self.x is not None:
+            x = _as_tensor(self.x)
+            if not x.dtype.is_floating_point:
+                raise GraphError(f"features must be floating point, got {x.dtype}")
+            x = x.to(torch.float32)
+            if x.dim() != 2 or x.shape[0] != n:
+                raise GraphError(f"features have shape {tuple(x.shape)}, expected ({n}, F)")
+            if not bool(torch.isfinite(x).all()):
+                row = int(torch.nonzero(~torch.isfinite(x).all(1))[0])
+                raise GraphError(f"features contain NaN or inf (first at vertex {row})")
+            self.x = x
+        for name in _MASKS:
+            m = getattr(self, name)
+            if m is None:
+                continue
+            m = _as_tensor(m)
+            if m.dtype != torch.bool:
+                raise GraphError(f"{name} must be boolean, got {m.dtype}")
+            if m.shape != (n,):
+                raise GraphError(f"{name} has shape {tuple(m.shape)}, expected ({n},)")
+            setattr(self, name, m)
+        masks = [(k, getattr(self, k)) for k in _MASKS if getattr(self, k) is not None]
+        for a in range(len(masks)):
+            for b in range(a + 1, len(masks)):
+                both = masks[a][1] & masks[b][1]
+                if bool(both.any()):
+                    raise GraphError(
+                        f"{masks[a][0]} and {masks[b][0]} overlap ({int(both.sum())} vertices, first {int(both.nonzero()[0])})"
+                    )
+        if self.train_mask is not None and not bool(self.train_mask.any()):
+            raise GraphError("train split is empty")
+        if self.y is not None:
+            y = _as_tensor(self.y)
+            if y.dtype.is_floating_point or y.dtype == torch.bool:
+                raise GraphError(f"labels must be integers, got {y.dtype}")
+            y = y.to(torch.int64)
+            if y.shape != (n,):
+                raise GraphError(f"labels have shape {tuple(y.shape)}, expected ({n},)")
+            labelled = y[y >= 0]
+            c = self.num_classes if self.num_classes is not None else (int(labelled.max()) + 1 if labelled.numel() else 0)
+            if bool((y < -1).any()) or (labelled.numel() and int(labelled.max()) >= c):
+                bad = int(y[(y < -1) | (y >= c)][0])
+                raise GraphError(f"label {bad} outside [0, {c}) (-1 marks an unlabelled vertex)")
+            for name, m in masks:
+                if bool((y[m] < 0).any()):
+                    raise GraphError(f"{name} contains unlabelled vertices (label -1)")
+            self.y = y
+            self.num_classes = int(c)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_edge_index(
+        cls,
+        edge_index: Any,
+        num_nodes: int | None = None,
+        edge_weight: Any = None,
+        edge_type: Any = None,
+        **node_data: Any,
+    ) -> Graph:
+        """Build from a COO ``(2, E)`` edge index whose row 0 holds sources and row 1 destinations."""
+        ei = _as_tensor(edge_index)
+        if ei.dim() != 2 or ei.shape[0] != 2:
+            raise GraphError(f"edge_index must have shape (2, E), got {tuple(ei.shape)}")
+        if ei.dtype.is_floating_point or ei.dtype == torch.bool:
+            raise GraphError(f"edge_index must be integer, got {ei.dtype}")
+        ei = ei.to(torch.int64)
+        if num_nodes is None:
+            x = node_data.get("x")
+            num_nodes = int(ei.max()) + 1 if ei.numel() else (0 if x is None else len(x))
+        n = int(num_nodes)
+        if ei.numel():
+            lo, hi = int(ei.min()), int(ei.max())
+            if lo < 0 or hi >= n:
+                raise GraphError(f"edge index {lo if lo < 0 else hi} out of range [0, {n})")
+        src, dst = ei[0], ei[1]
+        e = src.numel()
+        if edge_weight is not None and _as_tensor(edge_weight).numel() != e:
+            raise GraphError(f"edge_weight has {_as_tensor(edge_weight).numel()} entries for {e} edges")
+        if edge_type is not None and _as_tensor(edge_type).numel() != e:
+            raise GraphError(f"edge_type has {_as_tensor(edge_type).numel()} entries for {e} edges")
+        order = torch.argsort(dst * max(n, 1) + src, stable=True)
+        indptr = torch.zeros(n + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(torch.bincount(dst, minlength=n), 0)
+        return cls(
+            indptr,
+            src[order],
+            n,
+            edge_weight=None if edge_weight is None else _as_tensor(edge_weight)[order],
+            edge_type=None if edge_type is None else _as_tensor(edge_type)[order],
+            **node_data,
+        )
+
+    @classmethod
+    def from_csr(cls, indptr: Any, indices: Any, num_nodes: int | None = None, **data: Any) -> Graph:
+        """Build from destination-major CSR arrays (row ``i`` lists the sources of ``i``'s in-edges)."""
+        indptr = _as_tensor(indptr)
+        return cls(indptr, indices, indptr.numel() - 1 if num_nodes is None else num_nodes, **data)
+
+    def replace(self, **changes: Any) -> Graph:
+        """A validated copy with some fields replaced (derived caches are not carried over)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_cache"}
+        fields.update(changes)
+        return Graph(**fields)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_edges(self) -> int:
+        """Number of stored directed edges (CSR entries)."""
+        return int(self.indices.numel())
+
+    @property
+    def num_features(self) -> int:
+        """Width of the node features (0 without features)."""
+        return 0 if self.x is None else int(self.x.shape[1])
+
+    def _cached(self, key: str, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def dst_index(self) -> torch.Tensor:
+        """The destination vertex of every edge, int64, in CSR order."""
+        return self._cached(
+            "dst",
+            lambda: torch.repeat_interleave(
+                torch.arange(self.num_nodes), (self.indptr[1:] - self.indptr[:-1]).to(torch.int64)
+            ),
+        )
+
+    def src_index(self) -> torch.Tensor:
+        """The source vertex of every edge, int64, in CSR order."""
+        return self._cached("src", lambda: self.indices.to(torch.int64))
+
+    def edge_index(self) -> torch.Tensor:
+        """COO ``(2, E)`` int64 edge index in PyG's (source, destination) convention."""
+        return torch.stack([self.src_index(), self.dst_index()])
+
+    def in_degree(self) -> torch.Tensor:
+        """Number of in-edges of each vertex (int64)."""
+        return self._cached("indeg", lambda: (self.indptr[1:] - self.indptr[:-1]).to(torch.int64))
+
+    def out_degree(self) -> torch.Tensor:
+        """Number of out-edges of each vertex (int64)."""
+        return self._cached("outdeg", lambda: torch.bincount(self.src_index(), minlength=self.num_nodes))
+
+    def transpose(self) -> TransposedCSR:
+        """Source-major CSR (cached), used by backward passes to scatter without atomics."""
+
+        def make() -> TransposedCSR:
+            src = self.src_index()
+            n = self.num_nodes
+            perm = torch.argsort(src * max(n, 1) + self.dst_index(), stable=True)
+            indptr = torch.zeros(n + 1, dtype=torch.int64)
+            indptr[1:] = torch.cumsum(self.out_degree(), 0)
+            idt = self.indptr.dtype
+            return TransposedCSR(indptr.to(idt), self.dst_index()[perm].to(idt), perm.to(idt))
+
+        return self._cached("transpose", make)
+
+    def fingerprint(self) -> str:
+        """Stable hex digest of structure, edge data and node-data shapes, for on-disk caches."""
+
+        def make() -> str:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(f"n={self.num_nodes};e={self.num_edges};f={self.num_features};c={self.num_classes}".encode())
+            for t in (self.indptr, self.indices, self.edge_weight, self.edge_type):
+                h.update(b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy().tobytes())
+            return h.hexdigest()
+
+        return self._cached("fingerprint", make)
+
+    # ------------------------------------------------------------------ transformations
+    def _rebuild(self, src: torch.Tensor, dst: torch.Tensor, weight, etype) -> Graph:
+        node = {k: getattr(self, k) for k in ("x", "y", *_MASKS, "num_classes", "name")}
+        return Graph.from_edge_index(
+            torch.stack([src, dst]), self.num_nodes, edge_weight=weight, edge_type=etype, **node
+        )
+
+    def remove_self_loops(self) -> Graph:
+        """Drop every edge ``i -> i``."""
+        keep = self.src_index() != self.dst_index()
+        return self._rebuild(
+            self.src_index()[keep],
+            self.dst_index()[keep],
+            None if self.edge_weight is None else self.edge_weight[keep],
+            None if self.edge_type is None else self.edge_type[keep],
+        )
+
+    def add_self_loops(self, fill_value: float = 1.0) -> Graph:
+        """Give every vertex exactly one self loop (PyG's ``add_remaining_self_loops``): existing
+        loops keep their weight, duplicate loops collapse into one, missing ones get ``fill_value``."""
+        src, dst = self.src_index(), self.dst_index()
+        is_loop = src == dst
+        n = self.num_nodes
+        loop_w = torch.full((n,), float(fill_value))
+        if self.edge_weight is not None:
+            loop_w[src[is_loop]] = self.edge_weight[is_loop]
+        keep = ~is_loop
+        ar = torch.arange(n)
+        weight = None
+        if self.edge_weight is not None or fill_value != 1.0:
+            base = self.edge_weight[keep] if self.edge_weight is not None else torch.ones(int(keep.sum()))
+            weight = torch.cat([base, loop_w])
+        etype = None
+        if self.edge_type is not None:
+            etype = torch.cat([self.edge_type[keep], torch.zeros(n, dtype=torch.int64)])
+        return self._rebuild(torch.cat([src[keep], ar]), torch.cat([dst[keep], ar]), weight, etype)
+
+    def coalesce(self, reduce: str = "sum") -> Graph:
+        """Remove duplicate edges (same source, destination and type); weights are combined by
+        ``reduce`` (``"sum"`` or ``"first"``)."""
+        src, dst = self.src_index(), self.dst_index()
+        n = max(self.num_nodes, 1)
+        key = dst * n + src
+        if self.edge_type is not None:
+            key = key * (int(self.edge_type.max()) + 1 if self.num_edges else 1) + self.edge_type
+        uniq, inverse = torch.unique(key, return_inverse=True)
+        first = torch.full((uniq.numel(),), self.num_edges, dtype=torch.int64)
+        first.scatter_reduce_(0, inverse, torch.arange(self.num_edges), reduce="amin")
+        weight = None
+        if self.edge_weight is not None:
+            if reduce == "sum":
+                weight = torch.zeros(uniq.numel()).index_add_(0, inverse, self.edge_weight)
+            elif reduce == "first":
+                weight = self.edge_weight[first]
+            else:
+                raise GraphError(f"unknown coalesce reduce {reduce!r}; use 'sum' or 'first'")
+        etype = None if self.edge_type is None else self.edge_type[first]
+        return self._rebuild(src[first], dst[first], weight, etype)
+
+    def to_undirected(self) -> Graph:
+        """Add the reverse of every edge, then remove duplicates (weights of duplicates: first)."""
+        src, dst = self.src_index(), self.dst_index()
+        w = None if self.edge_weight is None else torch.cat([self.edge_weight, self.edge_weight])
+        t = None if self.edge_type is None else torch.cat([self.edge_type, self.edge_type])
+        return self._rebuild(torch.cat([src, dst]), torch.cat([dst, src]), w, t).coalesce("first")
+
+    def is_undirected(self) -> bool:
+        """Whether every edge ``j -> i`` has its reverse ``i -> j``."""
+        n = max(self.num_nodes, 1)
+        a = torch.unique(self.dst_index() * n + self.src_index())
+        b = torch.unique(self.src_index() * n + self.dst_index())
+        return a.numel() == b.numel() and bool((a == b).all())
+
+    def gcn_norm(self, add_self_loops: bool = True, improved: bool = False) -> Graph:
+        """Symmetric GCN normalisation as PyG's ``gcn_norm``: optional remaining self loops (fill 1,
+        or 2 when ``improved``), then ``w_ji / sqrt(deg_i * deg_j)`` with ``deg`` the weighted
+        in-degree at the destination."""
+        g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
+        w = g.edge_weight if g.edge_weight is not None else torch.ones(g.num_edges)
+        deg = torch.zeros(g.num_nodes).index_add_(0, g.dst_index(), w)
+        dis = deg.pow(-0.5)
+        dis.masked_fill_(torch.isinf(dis), 0.0)
+        return g.replace(edge_weight=dis[g.src_index()] * w * dis[g.dst_index()])
+
+    def degree_stats(self) -> dict[str, float]:
+        """In-degree mean, max and percentiles (50/90/99)."""
+        d = self.in_degree().to(torch.float64)
+        if d.numel() == 0:
+            return {"mean": 0.0, "max": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        q = torch.quantile(d, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)) if d.numel() < 2**24 else None
+        if q is None:
+            q = torch.from_numpy(np.percentile(d.numpy(), [50, 90, 99]))
+        return {
+            "mean": float(d.mean()),
+            "max": float(d.max()),
+            "p50": float(q[0]),
+            "p90": float(q[1]),
+            "p99": float(q[2]),
+        }
+
+    def require(self, *names: str) -> None:
+        """Raise :class:`GraphError` unless each named field (``x``, ``y``, a mask) is present."""
+        for nm in names:
+            if getattr(self, nm) is None:
+                what = {"x": "node features", "y": "labels"}.get(nm, nm.replace("_mask", " split"))
+                raise GraphError(f"graph {self.name!r} has no {what}; this task needs it")
+
+    def __repr__(self) -> str:
+        return (
+            f"Graph(name={self.name!r}, num_nodes={self.num_nodes}, num_edges={self.num_edges}, "
+            f"num_features={self.num_features}, num_classes={self.num_classes})"
+        )
+
+
+def stratified_split(
+    y: torch.Tensor,
+    num_classes: int,
+    train_per_class: int = 20,
+    val_per_class: int = 30,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded split: ``train_per_class`` and ``val_per_class`` labelled vertices of each class
+    (fewer when a class is small), every other labelled vertex in test."""
+    y = torch.as_tensor(y)
+    n = y.numel()
+    rng = np.random.default_rng(seed)
+    train = torch.zeros(n, dtype=torch.bool)
+    val = torch.zeros(n, dtype=torch.bool)
+    yn = y.numpy()
+    for c in range(num_classes):
+        idx = np.flatnonzero(yn == c)
+        rng.shuffle(idx)
+        train[torch.from_numpy(idx[:train_per_class])] = True
+        val[torch.from_numpy(idx[train_per_class : train_per_class + val_per_class])] = True
+    test = (y >= 0) & ~train & ~val
+    return train, val, test
