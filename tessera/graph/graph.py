@@ -153,7 +153,11 @@ class Graph:
             if y.shape != (n,):
                 raise GraphError(f"labels have shape {tuple(y.shape)}, expected ({n},)")
             labelled = y[y >= 0]
-            c = self.num_classes if self.num_classes is not None else (int(labelled.max()) + 1 if labelled.numel() else 0)
+            c = (
+                self.num_classes
+                if self.num_classes is not None
+                else (int(labelled.max()) + 1 if labelled.numel() else 0)
+            )
             if bool((y < -1).any()) or (labelled.numel() and int(labelled.max()) >= c):
                 bad = int(y[(y < -1) | (y >= c)][0])
                 raise GraphError(f"label {bad} outside [0, {c}) (-1 marks an unlabelled vertex)")
@@ -229,14 +233,15 @@ class Graph:
         """Width of the node features (0 without features)."""
         return 0 if self.x is None else int(self.x.shape[1])
 
-    def _cached(self, key: str, make):
+    def cached(self, key: object, make):
+        """Memoise a derived structure (normalisation, transpose, chunking) on this graph."""
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
 
     def dst_index(self) -> torch.Tensor:
         """The destination vertex of every edge, int64, in CSR order."""
-        return self._cached(
+        return self.cached(
             "dst",
             lambda: torch.repeat_interleave(
                 torch.arange(self.num_nodes), (self.indptr[1:] - self.indptr[:-1]).to(torch.int64)
@@ -245,7 +250,7 @@ class Graph:
 
     def src_index(self) -> torch.Tensor:
         """The source vertex of every edge, int64, in CSR order."""
-        return self._cached("src", lambda: self.indices.to(torch.int64))
+        return self.cached("src", lambda: self.indices.to(torch.int64))
 
     def edge_index(self) -> torch.Tensor:
         """COO ``(2, E)`` int64 edge index in PyG's (source, destination) convention."""
@@ -253,11 +258,11 @@ class Graph:
 
     def in_degree(self) -> torch.Tensor:
         """Number of in-edges of each vertex (int64)."""
-        return self._cached("indeg", lambda: (self.indptr[1:] - self.indptr[:-1]).to(torch.int64))
+        return self.cached("indeg", lambda: (self.indptr[1:] - self.indptr[:-1]).to(torch.int64))
 
     def out_degree(self) -> torch.Tensor:
         """Number of out-edges of each vertex (int64)."""
-        return self._cached("outdeg", lambda: torch.bincount(self.src_index(), minlength=self.num_nodes))
+        return self.cached("outdeg", lambda: torch.bincount(self.src_index(), minlength=self.num_nodes))
 
     def transpose(self) -> TransposedCSR:
         """Source-major CSR (cached), used by backward passes to scatter without atomics."""
@@ -271,7 +276,7 @@ class Graph:
             idt = self.indptr.dtype
             return TransposedCSR(indptr.to(idt), self.dst_index()[perm].to(idt), perm.to(idt))
 
-        return self._cached("transpose", make)
+        return self.cached("transpose", make)
 
     def fingerprint(self) -> str:
         """Stable hex digest of structure, edge data and node-data shapes, for on-disk caches."""
@@ -280,10 +285,12 @@ class Graph:
             h = hashlib.blake2b(digest_size=16)
             h.update(f"n={self.num_nodes};e={self.num_edges};f={self.num_features};c={self.num_classes}".encode())
             for t in (self.indptr, self.indices, self.edge_weight, self.edge_type):
-                h.update(b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy().tobytes())
+                h.update(
+                    b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy().tobytes()
+                )
             return h.hexdigest()
 
-        return self._cached("fingerprint", make)
+        return self.cached("fingerprint", make)
 
     # ------------------------------------------------------------------ transformations
     def _rebuild(self, src: torch.Tensor, dst: torch.Tensor, weight, etype) -> Graph:

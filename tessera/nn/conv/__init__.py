@@ -1,0 +1,8 @@
+"""Graph convolution layers with PyG-identical semantics."""
+
+from tessera.nn.conv.gat import GATConv
+from tessera.nn.conv.gcn import GCNConv
+from tessera.nn.conv.gin import GINConv
+from tessera.nn.conv.sage import SAGEConv
+
+__all__ = ["GATConv", "GCNConv", "GINConv", "SAGEConv"]

@@ -1,0 +1,36 @@
+"""Graph isomorphism convolution with PyG ``GINConv`` semantics."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera import ops
+from tessera.graph import Graph
+
+
+class GINConv(nn.Module):
+    """``x'_i = nn((1 + eps) x_i + sum_{j in N(i)} x_j)`` (PyG ``GINConv``)."""
+
+    def __init__(self, nn: torch.nn.Module, eps: float = 0.0, train_eps: bool = False, backend: str = "auto") -> None:
+        super().__init__()
+        self.nn, self.initial_eps, self.backend = nn, eps, backend
+        if train_eps:
+            self.eps = torch.nn.Parameter(torch.tensor([float(eps)]))
+        else:
+            self.register_buffer("eps", torch.tensor([float(eps)]))
+
+    def reset_parameters(self) -> None:
+        """Reset the MLP and eps."""
+        for m in self.nn.modules():
+            if m is not self.nn and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        self.eps.data.fill_(self.initial_eps)
+
+    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
+        """Apply the convolution to node features ``x``."""
+        out = ops.aggregate(graph, x, "sum", None, self.backend) + (1 + self.eps) * x
+        return self.nn(out)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.initial_eps}"

@@ -1,0 +1,62 @@
+"""GraphSAGE convolution with PyG ``SAGEConv`` semantics (mean aggregation, root weight)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.graph import Graph
+from tessera.nn.conv._util import linear_then_aggregate
+
+
+class SAGEConv(nn.Module):
+    """``x'_i = W_l * reduce_{j in N(i)} x_j + b + W_r x_i`` (PyG ``SAGEConv``)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        aggr: str = "mean",
+        normalize: bool = False,
+        root_weight: bool = True,
+        bias: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.aggr, self.normalize, self.root_weight, self.backend = aggr, normalize, root_weight, backend
+        self.lin_l = nn.Linear(in_channels, out_channels, bias=bias)
+        self.lin_r = nn.Linear(in_channels, out_channels, bias=False) if root_weight else None
+
+    def reset_parameters(self) -> None:
+        """torch's default Linear init (as PyG's ``Linear`` with kaiming-uniform)."""
+        self.lin_l.reset_parameters()
+        if self.lin_r is not None:
+            self.lin_r.reset_parameters()
+
+    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
+        """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
+        lin_nobias = _WeightOnly(self.lin_l)
+        out = linear_then_aggregate(graph, x, lin_nobias, self.aggr, None, self.backend)
+        if self.lin_l.bias is not None:
+            out = out + self.lin_l.bias
+        if self.lin_r is not None:
+            out = out + self.lin_r(x)
+        if self.normalize:
+            out = F.normalize(out, p=2.0, dim=-1)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, aggr={self.aggr}"
+
+
+class _WeightOnly(nn.Module):
+    """A view of a Linear's weight without its bias, so the bias can be added after aggregating."""
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.in_features, self.out_features = lin.weight, lin.in_features, lin.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)

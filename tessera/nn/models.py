@@ -1,0 +1,93 @@
+"""Stacked GNN models and ``build_model``, the factory the trainer and CLI use."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera import ops
+from tessera.errors import ConfigError
+from tessera.graph import Graph
+from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
+
+MODELS = ("gcn", "sage", "gin", "gat")
+
+
+class GNN(nn.Module):
+    """``num_layers`` convolutions; dropout before each, ReLU (ELU for GAT) between them."""
+
+    def __init__(self, convs: list[nn.Module], dropout: float, activation: str = "relu") -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(convs)
+        self.dropout = dropout
+        self.act = F.elu if activation == "elu" else F.relu
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every layer."""
+        for conv in self.convs:
+            conv.reset_parameters()
+
+    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
+        """Logits for every vertex of ``graph`` from features ``x``."""
+        for i, conv in enumerate(self.convs):
+            x = ops.dropout(x, self.dropout, self.training)
+            x = conv(x, graph)
+            if i < len(self.convs) - 1:
+                x = self.act(x)
+        return x
+
+
+def _gin_mlp(i: int, o: int, hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(i, hidden), nn.ReLU(), nn.Linear(hidden, o))
+
+
+def build_model(
+    name: str,
+    in_dim: int,
+    hidden: int,
+    out_dim: int,
+    num_layers: int = 2,
+    dropout: float = 0.5,
+    *,
+    heads: int = 8,
+    attn_dropout: float | None = None,
+    train_eps: bool = False,
+    backend: str = "auto",
+) -> GNN:
+    """A ``num_layers``-deep GCN, SAGE, GIN or GAT mapping ``in_dim`` features to ``out_dim`` logits.
+
+    For GAT, ``hidden`` is the concatenated width (``heads`` heads of ``hidden // heads``) and the
+    output layer has one head; ``attn_dropout`` defaults to ``dropout``."""
+    name = name.lower()
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    if num_layers < 1:
+        raise ConfigError(f"--layers must be at least 1, got {num_layers}")
+    if hidden < 1 or in_dim < 1 or out_dim < 1:
+        raise ConfigError(f"layer widths must be positive (in {in_dim}, hidden {hidden}, out {out_dim})")
+    dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
+    convs: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+        last = i == num_layers - 1
+        if name == "gcn":
+            convs.append(GCNConv(a, b, backend=backend))
+        elif name == "sage":
+            convs.append(SAGEConv(a, b, backend=backend))
+        elif name == "gin":
+            convs.append(GINConv(_gin_mlp(a, b, hidden), train_eps=train_eps, backend=backend))
+        else:
+            if hidden % heads:
+                raise ConfigError(f"GAT hidden width {hidden} must be divisible by --heads {heads}")
+            h = 1 if last else heads
+            convs.append(
+                GATConv(
+                    a,
+                    b if last else hidden // heads,
+                    heads=h,
+                    concat=not last,
+                    dropout=dropout if attn_dropout is None else attn_dropout,
+                    backend=backend,
+                )
+            )
+    return GNN(convs, dropout, activation="elu" if name == "gat" else "relu")

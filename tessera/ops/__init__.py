@@ -1,0 +1,20 @@
+"""The primitives layers are written in: aggregate, edge scores, edge softmax, dropout."""
+
+from tessera.ops import backends as _backends  # noqa: F401  (registers the backends)
+from tessera.ops.aggregate import aggregate, inv_in_degree
+from tessera.ops.attention import edge_score, edge_softmax
+from tessera.ops.dropout import dropout
+from tessera.ops.registry import available_backends, get_backend, register_backend
+from tessera.ops.threads import set_num_threads
+
+__all__ = [
+    "aggregate",
+    "available_backends",
+    "dropout",
+    "edge_score",
+    "edge_softmax",
+    "get_backend",
+    "inv_in_degree",
+    "register_backend",
+    "set_num_threads",
+]

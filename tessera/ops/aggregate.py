@@ -1,0 +1,66 @@
+"""The aggregation primitive: weighted sum or mean over each vertex's in-edges, with autograd."""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.errors import ConfigError
+from tessera.graph import Graph
+from tessera.ops.registry import AggregationBackend, get_backend
+
+_REDUCES = ("sum", "mean")
+
+
+def inv_in_degree(graph: Graph, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``1 / in_degree`` per vertex, 0 for vertices without in-edges (PyG's scatter-mean)."""
+
+    def make() -> torch.Tensor:
+        d = graph.in_degree().to(dtype)
+        return torch.where(d > 0, 1.0 / d.clamp(min=1), torch.zeros_like(d))
+
+    return graph.cached(("inv_deg", dtype), make)
+
+
+def _scale_rows(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return t * s.view(-1, *([1] * (t.dim() - 1)))
+
+
+class _Aggregate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, graph: Graph, reduce: str, backend: AggregationBackend):
+        out = backend.spmm(graph, x, weight)
+        if reduce == "mean":
+            out = _scale_rows(out, inv_in_degree(graph, out.dtype))
+        ctx.graph, ctx.reduce, ctx.backend = graph, reduce, backend
+        ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        graph, backend = ctx.graph, ctx.backend
+        if ctx.reduce == "mean":
+            g = _scale_rows(g, inv_in_degree(graph, g.dtype))
+        gx = backend.spmm_t(graph, g, weight) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = backend.sddmm_dot(graph, g, x)
+        return gx, gw, None, None, None
+
+
+def aggregate(
+    graph: Graph,
+    x: torch.Tensor,
+    reduce: str = "sum",
+    weight: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``out[i] = reduce_{e=(j->i)} w_e * x[j]`` over in-edges; ``x`` is ``(N, F)`` or ``(N, H, F)``,
+    ``weight`` ``(E,)`` or ``(E, H)`` in CSR order; mean divides by the in-edge count."""
+    if reduce not in _REDUCES:
+        raise ConfigError(f"unknown reduce {reduce!r}; choose from {', '.join(_REDUCES)}")
+    if x.shape[0] != graph.num_nodes:
+        raise ValueError(f"x has {x.shape[0]} rows but the graph has {graph.num_nodes} vertices")
+    if weight is not None and weight.shape[0] != graph.num_edges:
+        raise ValueError(f"weight has {weight.shape[0]} entries but the graph has {graph.num_edges} edges")
+    return _Aggregate.apply(x, weight, graph, reduce, get_backend(backend))
