@@ -68,7 +68,7 @@ def build_model(
         raise ConfigError(f"layer widths must be positive (in {in_dim}, hidden {hidden}, out {out_dim})")
     dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
     convs: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:])):
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
         last = i == num_layers - 1
         if name == "gcn":
             convs.append(GCNConv(a, b, backend=backend))

@@ -1,0 +1,28 @@
+# Two commands from a fresh clone: `make run` trains on the embedded default dataset,
+# `make test` runs the test suite. Both build .venv first (torch 2.13.0 + tessera + test deps).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tessera-installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tessera train
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check tessera tests benchmarks
+	$(BIN)/ruff format --check tessera tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,7 @@
+"""``python -m tessera``."""
+
+import sys
+
+from tessera.cli import main
+
+sys.exit(main())

@@ -1,0 +1,173 @@
+"""Resolve a dataset spec (``synthetic:<preset>``, a known name, or a path) to a Graph."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+from types import ModuleType
+
+from tessera.errors import DatasetError
+from tessera.graph.formats import is_ogb_dir, load_edgelist, load_npz, load_ogb, load_planetoid
+from tessera.graph.graph import Graph
+
+# Lower-case spec name -> directory spelling used by PyG / OGB downloads.
+PLANETOID = {"cora": "Cora", "citeseer": "CiteSeer", "pubmed": "PubMed"}
+OGB = {"ogbn-arxiv": "ogbn-arxiv", "ogbn-products": "ogbn-products", "ogbn-papers100m": "ogbn-papers100M"}
+_PLANETOID_FILE = re.compile(r"ind\.(.+)\.(x|tx|allx|y|ty|ally|graph|test\.index)$")
+
+
+def known_names() -> list[str]:
+    """Dataset names that :func:`load` looks up in the data roots."""
+    return sorted([*PLANETOID, *OGB])
+
+
+def data_roots(root: str | os.PathLike | None = None) -> list[Path]:
+    """Folders searched for named datasets, in order: ``root``, ``$TESSERA_DATA`` (``os.pathsep``
+    separated), ``../shared/datasets`` from the working directory, then from the project root."""
+    candidates = [Path(root)] if root is not None else []
+    candidates += [Path(p) for p in os.environ.get("TESSERA_DATA", "").split(os.pathsep) if p]
+    candidates += [Path.cwd() / "../shared/datasets", Path(__file__).resolve().parents[1] / "../shared/datasets"]
+    out: list[Path] = []
+    for c in candidates:
+        c = Path(os.path.normpath(c.expanduser().absolute()))
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _synthetic() -> ModuleType | None:
+    try:
+        return importlib.import_module("tessera.graph.synthetic")
+    except ModuleNotFoundError as e:
+        if e.name in ("tessera.graph.synthetic", "tessera.graph"):
+            return None
+        raise
+
+
+def _load_synthetic(preset: str, seed: int, name: str | None) -> Graph:
+    mod = _synthetic()
+    if mod is None:
+        raise DatasetError("synthetic graphs are unavailable: tessera.graph.synthetic is not installed")
+    presets = getattr(mod, "PRESETS", {})
+    if preset not in presets and preset.lower() in presets:
+        preset = preset.lower()
+    if preset not in presets:
+        raise DatasetError(f"unknown synthetic preset {preset!r}; choose one of: {', '.join(sorted(presets))}")
+    g = mod.generate(preset, seed=seed)
+    return g.replace(name=name) if name and name != g.name else g
+
+
+def _planetoid_names(folder: Path) -> list[str]:
+    return sorted({p.name[4:-2] for p in folder.glob("ind.*.x")})
+
+
+def _planetoid_candidates(root: Path, key: str) -> list[Path]:
+    spelled = PLANETOID.get(key, key)
+    dirs = [root / "planetoid", root, root / key / "raw", root / spelled / "raw", root / key, root / spelled]
+    return list(dict.fromkeys(dirs))
+
+
+def _ogb_candidates(root: Path, key: str) -> list[Path]:
+    spelled = OGB.get(key, key)
+    names = [key, spelled, key.replace("-", "_"), spelled.replace("-", "_")]
+    return [root / n for n in dict.fromkeys(names)]
+
+
+def _find_named(key: str, roots: list[Path]) -> tuple[str, Path] | None:
+    for r in roots:
+        if key.startswith("ogbn-"):
+            for d in _ogb_candidates(r, key):
+                if is_ogb_dir(d):
+                    return "ogb", d
+        else:
+            for d in _planetoid_candidates(r, key):
+                if (d / f"ind.{key}.x").is_file():
+                    return "planetoid", d
+    return None
+
+
+def _pick_planetoid(folder: Path, names: list[str], name: str | None) -> Graph:
+    if name is not None:
+        if name.lower() not in names:
+            raise DatasetError(f"{folder} has no Planetoid dataset {name!r}; it holds: {', '.join(names)}")
+        return load_planetoid(folder, name.lower())
+    if len(names) > 1:
+        raise DatasetError(
+            f"{folder} holds several Planetoid datasets ({', '.join(names)}); choose one with --name (name=...)"
+        )
+    return load_planetoid(folder, names[0])
+
+
+def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0) -> Graph:
+    """Load a dataset file or directory, detecting its format from the layout and suffix."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        for folder in (p, p / "raw"):
+            names = _planetoid_names(folder)
+            if names:
+                return _pick_planetoid(folder, names, name)
+        if is_ogb_dir(p):
+            return load_ogb(p, name=name, seed=seed)
+        raise DatasetError(
+            f"{p} is a directory but not a dataset: expected Planetoid files (ind.<name>.x, ...) "
+            "or an OGB layout (raw/edge.csv.gz)"
+        )
+    if not p.is_file():
+        raise DatasetError(f"{p} does not exist")
+    if p.suffix.lower() == ".npz":
+        return load_npz(p, seed=seed, name=name)
+    m = _PLANETOID_FILE.match(p.name)
+    if m and (p.parent / f"ind.{m.group(1)}.x").is_file():
+        return load_planetoid(p.parent, name or m.group(1))
+    return load_edgelist(p, seed=seed, name=name)
+
+
+def load(spec: str, *, name: str | None = None, seed: int = 0, root: str | None = None) -> Graph:
+    """Load ``synthetic:<preset>``, a known dataset name (searched in :func:`data_roots`), or a
+    path to a ``.npz`` / edge-list file or a Planetoid / OGB directory."""
+    spec = str(spec).strip()
+    if spec.lower().startswith("synthetic:"):
+        return _load_synthetic(spec.split(":", 1)[1], seed, name)
+    key = spec.lower()
+    roots = data_roots(root)
+    if key in PLANETOID or key in OGB or key.startswith("ogbn-"):
+        found = _find_named(key, roots)
+        if found is not None:
+            kind, folder = found
+            if kind == "planetoid":
+                return load_planetoid(folder, key)
+            return load_ogb(folder, name=OGB.get(key, key), seed=seed)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return load_path(path, name=name, seed=seed)
+    raise DatasetError(_not_found_message(spec, key, roots))
+
+
+def _not_found_message(spec: str, key: str, roots: list[Path]) -> str:
+    here = Path(".")
+    if key.startswith("ogbn-"):
+        patterns = [str(d / "raw" / "edge.csv.gz") for d in _ogb_candidates(here, key)]
+    elif key in PLANETOID:
+        patterns = [str(d / f"ind.{key}.x") for d in _planetoid_candidates(here, key)]
+    else:
+        patterns = []
+    # One line: the CLI prints a TesseraError as a single line.
+    msg = f"cannot find dataset {spec!r}: no file or directory {str(Path(spec).expanduser().absolute())!r}"
+    if patterns:
+        where = ", ".join(str(r) + ("" if r.is_dir() else " (missing)") for r in roots)
+        msg += f"; looked for {', '.join(patterns)} under the data roots {where}"
+    else:
+        msg += f", and it is not a known dataset name ({', '.join(known_names())})"
+    fixes = [
+        "set TESSERA_DATA to the folder that holds planetoid/ (or the ind.<name>.* files) or OGB dirs such as ogbn_arxiv/",
+        "pass a path to a .npz file, an edge-list file, or a Planetoid/OGB directory",
+    ]
+    try:
+        mod = _synthetic()
+    except Exception:  # a broken synthetic module must not hide the real problem
+        mod = None
+    presets = sorted(getattr(mod, "PRESETS", {})) if mod is not None else []
+    fixes.append("use synthetic:<preset>" + (f" (presets: {', '.join(presets)})" if presets else ""))
+    return f"{msg}. To fix: " + "; or ".join(fixes)

@@ -1,0 +1,133 @@
+"""Helpers shared by the format loaders: edge arrays to a Graph, labels, masks, .npy files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessera.errors import DatasetError
+from tessera.graph.graph import Graph, stratified_split
+
+MASKS = ("train_mask", "val_mask", "test_mask")
+
+
+def check_edge_range(src: np.ndarray, dst: np.ndarray, num_nodes: int, source: str, bound: str = "") -> None:
+    """Raise DatasetError naming the first edge whose endpoint is outside ``[0, num_nodes)``."""
+    if src.size == 0:
+        return
+    lo = min(int(src.min()), int(dst.min()))
+    hi = max(int(src.max()), int(dst.max()))
+    if lo >= 0 and hi < num_nodes:
+        return
+    bad = np.flatnonzero((src < 0) | (src >= num_nodes) | (dst < 0) | (dst >= num_nodes))[0]
+    s, d = int(src[bad]), int(dst[bad])
+    v = s if not 0 <= s < num_nodes else d
+    why = f" ({bound})" if bound else ""
+    raise DatasetError(f"{source}: edge {bad} ({s} -> {d}) references vertex {v}, out of range [0, {num_nodes}){why}")
+
+
+def edges_to_graph(
+    src: Any,
+    dst: Any,
+    num_nodes: int,
+    *,
+    source: str,
+    coalesce: bool = False,
+    undirected: bool = False,
+    drop_self_loops: bool = False,
+    bound: str = "",
+    **node_data: Any,
+) -> Graph:
+    """Build a Graph from source/destination arrays, optionally without self loops, symmetrised
+    (which also removes duplicates, as PyG's ``to_undirected``) or just deduplicated."""
+    src = np.asarray(src, dtype=np.int64).ravel()
+    dst = np.asarray(dst, dtype=np.int64).ravel()
+    n = int(num_nodes)
+    check_edge_range(src, dst, n, source, bound)
+    if drop_self_loops:
+        keep = src != dst
+        src, dst = src[keep], dst[keep]
+    if undirected:
+        src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
+    # One sort of the destination-major key gives the CSR directly (and dedups when asked).
+    key = torch.from_numpy(dst * max(n, 1) + src)
+    key = torch.unique(key, sorted=True) if (coalesce or undirected) else torch.sort(key).values
+    d = key // max(n, 1)
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.bincount(d, minlength=n), 0)
+    return Graph.from_csr(indptr, key - d * max(n, 1), n, **node_data)
+
+
+def labels_from_array(arr: np.ndarray, source: str) -> np.ndarray:
+    """Integer labels as int64; in float input NaN (an unlabelled vertex) becomes -1."""
+    arr = np.asarray(arr)
+    if arr.ndim == 2 and arr.shape[1] == 1:
+        arr = arr[:, 0]
+    if arr.ndim != 1:
+        raise DatasetError(
+            f"{source}: labels have shape {arr.shape}; expected one label per vertex (multi-label is unsupported)"
+        )
+    if arr.dtype.kind in "iu":
+        y = arr.astype(np.int64)
+    elif arr.dtype.kind == "f":
+        nan = np.isnan(arr)
+        filled = np.where(nan, -1.0, arr)
+        frac = filled != np.floor(filled)
+        if frac.any():
+            i = int(np.flatnonzero(frac)[0])
+            raise DatasetError(f"{source}: label of vertex {i} is {arr[i]!r}, not an integer class id")
+        y = filled.astype(np.int64)
+    else:
+        raise DatasetError(f"{source}: labels have dtype {arr.dtype}; expected integers")
+    return y
+
+
+def index_mask(idx: Any, num_nodes: int, source: str) -> torch.Tensor:
+    """Boolean mask of the vertex ids in ``idx``, each checked to lie in ``[0, num_nodes)``."""
+    idx = np.asarray(idx).ravel()
+    if idx.dtype.kind not in "iu":
+        if idx.dtype.kind != "f" or (idx.size and not np.all(idx == np.floor(idx))):
+            raise DatasetError(f"{source}: split indices must be integers, got {idx.dtype}")
+    idx = idx.astype(np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= num_nodes):
+        bad = int(idx[(idx < 0) | (idx >= num_nodes)][0])
+        raise DatasetError(f"{source}: split index {bad} outside [0, {num_nodes})")
+    mask = torch.zeros(num_nodes, dtype=torch.bool)
+    mask[torch.from_numpy(idx)] = True
+    return mask
+
+
+def labelled_only(masks: dict[str, torch.Tensor], y: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
+    """Remove unlabelled vertices (label -1) from each mask; also return how many were removed."""
+    dropped = 0
+    out = {}
+    for k, m in masks.items():
+        bad = m & (y < 0)
+        dropped += int(bad.sum())
+        out[k] = m & ~bad
+    return out, dropped
+
+
+def default_split(y: torch.Tensor, num_classes: int, seed: int) -> dict[str, torch.Tensor]:
+    """The seeded 20-train / 30-val per-class split used when a file carries no split."""
+    if not bool((y >= 0).any()):
+        return {}
+    return dict(zip(MASKS, stratified_split(y, num_classes, 20, 30, seed), strict=True))
+
+
+def load_npy(path: Path, what: str) -> np.ndarray:
+    """``np.load`` with ``allow_pickle=False``; every failure becomes a DatasetError."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DatasetError(f"cannot read {what} from {path}: {e}") from e
+
+
+def num_classes_of(y: np.ndarray | torch.Tensor) -> int:
+    """One more than the largest label (0 when nothing is labelled)."""
+    y = torch.as_tensor(y)
+    lab = y[y >= 0]
+    return int(lab.max()) + 1 if lab.numel() else 0

@@ -1,0 +1,118 @@
+"""Vectorised parsing of numeric text tables (CSV and whitespace-separated) with line-accurate errors."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from tessera.errors import DatasetError
+
+_COMMENT = re.compile(rb"(?m)^[ \t]*[#%][^\n]*")
+_WS = np.zeros(256, dtype=bool)
+_WS[[9, 10, 11, 12, 13, 32]] = True
+
+
+def read_gzip(path: Path) -> bytes:
+    """The decompressed bytes of a gzip file; DatasetError if it is missing, truncated or corrupt."""
+    try:
+        return gzip.decompress(path.read_bytes())
+    except FileNotFoundError as e:
+        raise DatasetError(f"{path} not found") from e
+    except (OSError, EOFError, zlib.error) as e:
+        raise DatasetError(f"{path} is not a valid gzip file (truncated or corrupt: {e})") from e
+
+
+def _token_ok(tok: bytes, dtype: np.dtype) -> bool:
+    if b"_" in tok:  # Python accepts 1_000, numpy does not
+        return False
+    try:
+        (int if dtype.kind in "iu" else float)(tok)
+    except ValueError:
+        return False
+    return True
+
+
+def _first_bad_token(text: bytes, dtype: np.dtype) -> tuple[int, bytes]:
+    # Error path only: find the line number of the first token numpy refused.
+    for lineno, line in enumerate(text.split(b"\n"), 1):
+        for tok in line.replace(b",", b" ").split():
+            if not _token_ok(tok, dtype):
+                return lineno, tok
+    return 0, b""
+
+
+def parse_numbers(text: bytes, dtype: type | np.dtype, source: str) -> np.ndarray:
+    """Every whitespace-separated number in ``text`` as a flat array, or a DatasetError naming the
+    line and token that is not a number of that kind."""
+    dtype = np.dtype(dtype)
+    try:
+        with warnings.catch_warnings():
+            # numpy < 2 only warns (DeprecationWarning) when it stops at an unparsable token.
+            warnings.simplefilter("error", DeprecationWarning)
+            return np.fromstring(text, dtype=dtype, sep=" ")
+    except (ValueError, DeprecationWarning):
+        lineno, tok = _first_bad_token(text, dtype)
+        kind = "an integer" if dtype.kind in "iu" else "a number"
+        where = f", line {lineno}" if lineno else ""
+        raise DatasetError(f"{source}{where}: {tok.decode('latin1')!r} is not {kind}") from None
+
+
+def parse_csv(raw: bytes, dtype: type | np.dtype, source: str, ncols: int | None = None) -> np.ndarray:
+    """A strict comma-separated numeric table (no header, no blank lines) as a ``(rows, ncols)``
+    array; ``ncols`` defaults to the first line's column count."""
+    end = len(raw)  # ignore trailing whitespace without copying a possibly huge buffer
+    while end and raw[end - 1] in b" \t\r\n":
+        end -= 1
+    if not end:
+        return np.zeros((0, ncols or 0), dtype=dtype)
+    eol = raw.find(b"\n", 0, end)
+    found = raw.count(b",", 0, end if eol < 0 else eol) + 1
+    if ncols is None:
+        ncols = found
+    elif found != ncols:
+        raise DatasetError(f"{source}, line 1: expected {ncols} comma-separated columns, found {found}")
+    nrows = raw.count(b"\n", 0, end) + 1
+    # Cheap structural check before parsing: every line needs exactly ncols - 1 commas.
+    if raw.count(b",", 0, end) != nrows * (ncols - 1):
+        lengths = np.array([ln.count(b",") + 1 for ln in raw[:end].split(b"\n")])
+        bad = int(np.flatnonzero(lengths != ncols)[0])
+        raise DatasetError(f"{source}, line {bad + 1}: expected {ncols} comma-separated columns, found {lengths[bad]}")
+    values = parse_numbers(raw.replace(b",", b" "), dtype, source)
+    if values.size != nrows * ncols:
+        raise DatasetError(
+            f"{source}: found {values.size} values on {nrows} lines, expected {nrows} x {ncols} "
+            "(empty fields or a truncated file)"
+        )
+    return values.reshape(nrows, ncols)
+
+
+def parse_columns(data: bytes, source: str, allowed: tuple[int, ...]) -> tuple[bytes, np.ndarray, int]:
+    """Check a whitespace/comma separated table with ``#``/``%`` comment lines and blank lines.
+
+    Returns the text with comments blanked and commas replaced (ready for :func:`parse_numbers`),
+    the 1-based line number of each data row, and the column count shared by every row (0 when
+    there are none); DatasetError naming the line where a row has another count."""
+    text = _COMMENT.sub(b"", data).replace(b",", b" ")
+    buf = np.frombuffer(text, dtype=np.uint8)
+    ws = _WS[buf]
+    starts = np.flatnonzero(~ws & np.concatenate(([True], ws[:-1])))
+    newlines = np.flatnonzero(buf == 10)
+    per_line = np.bincount(np.searchsorted(newlines, starts), minlength=newlines.size + 1)
+    rows = np.flatnonzero(per_line)
+    if rows.size == 0:
+        return text, rows + 1, 0
+    ncols = int(per_line[rows[0]])
+    if ncols not in allowed:
+        want = " or ".join(map(str, allowed))
+        raise DatasetError(f"{source}, line {rows[0] + 1}: expected {want} columns, found {ncols}")
+    bad = rows[per_line[rows] != ncols]
+    if bad.size:
+        raise DatasetError(
+            f"{source}, line {bad[0] + 1}: found {per_line[bad[0]]} columns but line {rows[0] + 1} has {ncols}"
+        )
+    return text, rows + 1, ncols

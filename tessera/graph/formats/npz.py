@@ -1,0 +1,114 @@
+"""gnn-benchmark / CitationFull ``.npz`` graphs (scipy CSR arrays stored by key)."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessera.errors import DatasetError
+from tessera.graph.formats._common import (
+    default_split,
+    edges_to_graph,
+    index_mask,
+    labelled_only,
+    labels_from_array,
+    num_classes_of,
+)
+from tessera.graph.graph import Graph
+
+# Accepted spellings of a stored split, per mask: index arrays first, then boolean masks.
+_SPLIT_KEYS = {
+    "train_mask": ("train_idx", "idx_train", "train_mask"),
+    "val_mask": ("val_idx", "valid_idx", "idx_val", "val_mask", "valid_mask"),
+    "test_mask": ("test_idx", "idx_test", "test_mask"),
+}
+
+
+def _get(f: Any, key: str, path: Path) -> np.ndarray:
+    try:
+        return np.asarray(f[key])
+    except KeyError:
+        raise DatasetError(f"{path} has no array {key!r} (keys: {', '.join(sorted(f.files))})") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+        # Object arrays need pickle, which stays disabled: np.load raises ValueError for them.
+        raise DatasetError(f"cannot read {key!r} from {path}: {e}") from e
+
+
+def _csr(f: Any, prefix: str, path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]]:
+    data, indices, indptr = (_get(f, f"{prefix}_{k}", path) for k in ("data", "indices", "indptr"))
+    shape = tuple(int(s) for s in _get(f, f"{prefix}_shape", path).ravel())
+    if len(shape) != 2 or indptr.ndim != 1 or indptr.size != shape[0] + 1 or indices.size != data.size:
+        raise DatasetError(f"{path}: {prefix}_* arrays do not form a CSR matrix of shape {shape}")
+    if indptr.size and (indptr[0] != 0 or indptr[-1] != indices.size or np.any(np.diff(indptr) < 0)):
+        raise DatasetError(f"{path}: {prefix}_indptr is not a valid CSR row pointer")
+    if indices.size and (indices.min() < 0 or indices.max() >= shape[1]):
+        raise DatasetError(f"{path}: {prefix}_indices has a column outside [0, {shape[1]})")
+    return data, indices.astype(np.int64), indptr.astype(np.int64), shape
+
+
+def _features(f: Any, path: Path, n: int) -> np.ndarray | None:
+    if "attr_data" in f.files:
+        import scipy.sparse as sp
+
+        data, indices, indptr, shape = _csr(f, "attr", path)
+        x = sp.csr_matrix((data, indices, indptr), shape=shape).toarray().astype(np.float32)
+        x[x > 0] = 1  # PyG's parse_npz binarises bag-of-words counts
+    elif "attr_matrix" in f.files:
+        x = _get(f, "attr_matrix", path)
+        if x.ndim != 2 or x.dtype.kind not in "biuf":
+            raise DatasetError(f"{path}: attr_matrix is a {x.dtype} array of shape {x.shape}, expected numeric 2-D")
+        x = x.astype(np.float32)
+    else:
+        return None
+    if x.shape[0] != n:
+        raise DatasetError(f"{path}: features have {x.shape[0]} rows but the adjacency has {n}")
+    return x
+
+
+def load_npz(path: str | Path, *, seed: int = 0, undirected: bool = True, name: str | None = None) -> Graph:
+    """Load a gnn-benchmark ``.npz`` the way PyG's ``read_npz`` does (self loops dropped, made
+    undirected); the stored split if any, else the seeded 20/30-per-class split."""
+    path = Path(path)
+    try:
+        f = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise DatasetError(f"cannot read {path} as .npz: {e}") from e
+    if not hasattr(f, "files"):
+        raise DatasetError(f"{path} holds a single array, not an .npz archive of named arrays")
+    with f:
+        _, cols, indptr, shape = _csr(f, "adj", path)
+        n = shape[0]
+        if shape[0] != shape[1]:
+            raise DatasetError(f"{path}: adjacency has shape {shape}, expected a square matrix")
+        x = _features(f, path, n)
+        node_data: dict = {"name": name or path.stem}
+        if x is not None:
+            node_data["x"] = torch.from_numpy(x)
+        if "labels" in f.files:
+            y = labels_from_array(_get(f, "labels", path), f"{path} (labels)")
+            if y.shape[0] != n:
+                raise DatasetError(f"{path}: {y.shape[0]} labels for {n} vertices")
+            yt = torch.from_numpy(y)
+            c = num_classes_of(yt)
+            node_data.update(y=yt, num_classes=c)
+            masks = {}
+            for mask, keys in _SPLIT_KEYS.items():
+                key = next((k for k in keys if k in f.files), None)
+                if key is not None:
+                    arr = _get(f, key, path)
+                    masks[mask] = (
+                        torch.from_numpy(arr.astype(bool))
+                        if arr.dtype == bool
+                        else index_mask(arr, n, f"{path} ({key})")
+                    )
+                    if masks[mask].shape != (n,):
+                        raise DatasetError(f"{path}: {key} has shape {tuple(arr.shape)}, expected ({n},)")
+            node_data.update(labelled_only(masks, yt)[0] if masks else default_split(yt, c, seed))
+        elif any(k in f.files for keys in _SPLIT_KEYS.values() for k in keys):
+            raise DatasetError(f"{path} has a split but no labels")
+    rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(indptr))
+    return edges_to_graph(rows, cols, n, source=str(path), undirected=undirected, drop_self_loops=True, **node_data)

@@ -1,0 +1,98 @@
+"""OGB node-property-prediction datasets from their raw ``*.csv.gz`` directory layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tessera.errors import DatasetError
+from tessera.graph.formats._common import (
+    MASKS,
+    default_split,
+    edges_to_graph,
+    index_mask,
+    labelled_only,
+    labels_from_array,
+    num_classes_of,
+)
+from tessera.graph.formats._text import parse_csv, read_gzip
+from tessera.graph.graph import Graph
+
+_SPLIT_FILES = dict(zip(MASKS, ("train", "valid", "test"), strict=True))
+
+
+def is_ogb_dir(path: str | Path) -> bool:
+    """Whether ``path`` looks like an OGB dataset directory (has ``raw/edge.csv.gz``)."""
+    return (Path(path) / "raw" / "edge.csv.gz").is_file()
+
+
+def _table(path: Path, dtype: type, ncols: int | None = None) -> np.ndarray:
+    return parse_csv(read_gzip(path), dtype, str(path), ncols)
+
+
+def _split_dir(root: Path, split: str | None) -> Path | None:
+    base = root / "split"
+    if split is not None:
+        if not (base / split).is_dir():
+            raise DatasetError(f"{root}: no split directory split/{split}")
+        return base / split
+    subdirs = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    if len(subdirs) > 1:
+        names = ", ".join(p.name for p in subdirs)
+        raise DatasetError(f"{root} has several splits ({names}); pick one with split=")
+    return subdirs[0] if subdirs else None
+
+
+def load_ogb(
+    root: str | Path, *, undirected: bool = True, split: str | None = None, name: str | None = None, seed: int = 0
+) -> Graph:
+    """Load an OGB node-property directory (``raw/*.csv.gz`` plus ``split/<kind>/*.csv.gz``),
+    symmetrised and deduplicated when ``undirected`` (the usual full-graph setting); without a
+    split directory, the seeded 20/30-per-class split."""
+    root = Path(root)
+    raw = root / "raw"
+    if not is_ogb_dir(root):
+        raise DatasetError(f"{root} is not an OGB dataset directory: {raw / 'edge.csv.gz'} is missing")
+    edges = _table(raw / "edge.csv.gz", np.int64, 2)
+    x = _table(raw / "node-feat.csv.gz", np.float32) if (raw / "node-feat.csv.gz").is_file() else None
+    y = None
+    if (raw / "node-label.csv.gz").is_file():
+        y = labels_from_array(_table(raw / "node-label.csv.gz", np.float64), str(raw / "node-label.csv.gz"))
+
+    count_file = raw / "num-node-list.csv.gz"
+    if count_file.is_file():
+        counts = _table(count_file, np.int64, 1)
+        if counts.shape[0] != 1:
+            raise DatasetError(
+                f"{count_file} lists {counts.shape[0]} graphs; only single-graph node datasets are supported"
+            )
+        n, bound = int(counts[0, 0]), f"{count_file.name} says {int(counts[0, 0])} nodes"
+    else:
+        n = max(
+            int(edges.max()) + 1 if edges.size else 0, len(x) if x is not None else 0, len(y) if y is not None else 0
+        )
+        bound = ""
+    for what, arr in (("node-feat.csv.gz", x), ("node-label.csv.gz", y)):
+        if arr is not None and arr.shape[0] != n:
+            raise DatasetError(f"{raw / what} has {arr.shape[0]} rows but the graph has {n} nodes")
+
+    node_data: dict = {"name": name or root.resolve().name}
+    if x is not None:
+        node_data["x"] = torch.from_numpy(x)
+    if y is not None:
+        yt = torch.from_numpy(y)
+        node_data.update(y=yt, num_classes=num_classes_of(yt))
+        split_dir = _split_dir(root, split)
+        if split_dir is not None:
+            masks = {}
+            for key, stem in _SPLIT_FILES.items():
+                f = split_dir / f"{stem}.csv.gz"
+                if f.is_file():
+                    masks[key] = index_mask(_table(f, np.int64, 1), n, str(f))
+            node_data.update(labelled_only(masks, yt)[0])
+        else:
+            node_data.update(default_split(yt, node_data["num_classes"], seed))
+    source = str(raw / "edge.csv.gz")
+    return edges_to_graph(edges[:, 0], edges[:, 1], n, source=source, undirected=undirected, bound=bound, **node_data)

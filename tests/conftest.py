@@ -1,0 +1,31 @@
+"""Shared fixtures: where the real Planetoid files live."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _planetoid_dir() -> Path | None:
+    candidates = []
+    for root in filter(None, os.environ.get("TESSERA_DATA", "").split(os.pathsep)):
+        candidates += [Path(root) / "planetoid", Path(root)]
+    candidates.append(REPO.parent / "shared" / "datasets" / "planetoid")
+    return next((c.resolve() for c in candidates if (c / "ind.cora.x").is_file()), None)
+
+
+@pytest.fixture(scope="session")
+def planetoid_root() -> Path:
+    """The folder holding the real ``ind.cora.*`` / ``ind.citeseer.*`` files (via TESSERA_DATA or
+    ``../shared/datasets/planetoid``); fails under CI=true when missing, else skips."""
+    root = _planetoid_dir()
+    if root is None:
+        msg = "Planetoid files not found: set TESSERA_DATA or put them in ../shared/datasets/planetoid"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return root

@@ -1,0 +1,85 @@
+import pytest
+import torch
+from torch_geometric.utils import softmax as pyg_softmax
+
+from helpers import awkward_graph, dense_adjacency
+from tessera import ops
+from tessera.ops.dropout import dropout
+
+
+@pytest.mark.parametrize("backend", ops.available_backends())
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_aggregate_matches_dense(backend, reduce, weighted):
+    g = awkward_graph()
+    w = torch.rand(g.num_edges, dtype=torch.float64) if weighted else None
+    x = torch.randn(g.num_nodes, 9, dtype=torch.float64)
+    a = dense_adjacency(g, w)
+    if reduce == "mean":
+        deg = g.in_degree().to(torch.float64).clamp(min=1)
+        a = a / deg[:, None]
+    got = ops.aggregate(g, x, reduce, w, backend)
+    torch.testing.assert_close(got, a @ x)
+    assert bool((got[-3:] == 0).all()), "isolated vertices aggregate to zero"
+
+
+@pytest.mark.parametrize("backend", ops.available_backends())
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_aggregate_gradcheck(backend, reduce):
+    g = awkward_graph(n=12, e=40)
+    x = torch.randn(g.num_nodes, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(g.num_edges, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(g, x, reduce, w, backend), (x, w))
+    xh = torch.randn(g.num_nodes, 2, 3, dtype=torch.float64, requires_grad=True)
+    wh = torch.rand(g.num_edges, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(g, x, reduce, w, backend), (xh, wh))
+
+
+def test_edge_softmax_matches_pyg_and_gradcheck():
+    g = awkward_graph(n=20, e=80)
+    s = torch.randn(g.num_edges, 3, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(ops.edge_softmax(g, s), pyg_softmax(s, g.dst_index(), num_nodes=g.num_nodes))
+    assert torch.autograd.gradcheck(lambda s: ops.edge_softmax(g, s), (s,))
+
+
+def test_unknown_backend_and_reduce_are_clear():
+    g = awkward_graph()
+    x = torch.randn(g.num_nodes, 2)
+    with pytest.raises(Exception, match="unknown aggregation backend 'nope'"):
+        ops.aggregate(g, x, backend="nope")
+    with pytest.raises(Exception, match="unknown reduce 'max'"):
+        ops.aggregate(g, x, reduce="max")
+
+
+def test_dropout_statistics_scale_and_mask_reuse_in_backward():
+    x = torch.ones(400, 500, requires_grad=True)
+    torch.manual_seed(3)
+    y = dropout(x, 0.3)
+    keep = y != 0
+    assert abs(keep.float().mean().item() - 0.7) < 0.005
+    torch.testing.assert_close(y[keep], torch.full_like(y[keep], 1 / 0.7))
+    y.backward(torch.full_like(y, 2.0))
+    assert torch.equal(x.grad != 0, keep)
+    torch.testing.assert_close(x.grad[keep], torch.full_like(x.grad[keep], 2 / 0.7))
+    # neighbouring elements are not correlated
+    k = keep.float().view(-1)
+    corr = torch.corrcoef(torch.stack([k[:-1], k[1:]]))[0, 1]
+    assert abs(corr.item()) < 0.01
+
+
+def test_dropout_is_seeded_and_thread_count_independent():
+    x = torch.randn(300, 777)
+    torch.manual_seed(5)
+    a = dropout(x, 0.5)
+    before = torch.get_num_threads()
+    try:
+        ops.set_num_threads(1)
+        torch.manual_seed(5)
+        b = dropout(x, 0.5)
+    finally:
+        ops.set_num_threads(before)
+    assert torch.equal(a, b)
+    c = dropout(x, 0.5)
+    assert not torch.equal(a, c)
+    assert dropout(x, 0.5, training=False) is x
+    assert torch.equal(dropout(x, 0.0), x)
