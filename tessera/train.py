@@ -170,7 +170,15 @@ class Trainer:
             self.load_state(load_checkpoint(ckpt_path))
         metrics = self._start_metrics()
         stopped = self.bad_epochs >= cfg.patience > 0
-        bar = tqdm(total=cfg.epochs, initial=self.epoch, disable=not cfg.progress, desc="train", unit="ep", leave=True)
+        bar = tqdm(
+            total=cfg.epochs,
+            initial=self.epoch,
+            disable=not cfg.progress,
+            desc="train",
+            unit="ep",
+            leave=True,
+            mininterval=0.5,
+        )
         try:
             while self.epoch < cfg.epochs and not stopped:
                 t0 = time.perf_counter()
