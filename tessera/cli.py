@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from tessera.errors import TesseraError
+from tessera.dist.launch import PEER_FAILED
+from tessera.errors import DistributedError, TesseraError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,19 +57,30 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--plot", action="store_true", default=None, help="write curves.png with loss and accuracy")
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="hide the progress bar")
     t.add_argument("--config", help="TOML file of settings named like the flags; flags override it")
+    t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")
+    t.add_argument("--remote-agg", help="post | pre | prepost: how remote in-edges are aggregated (default prepost)")
+    t.add_argument("--partition", help="metis | range | random (default metis)")
+    t.add_argument("--timeout", type=float, help="seconds a rank waits on its peers before failing (default 300)")
 
     i = sub.add_parser("info", help="print a dataset's size, degree statistics and splits")
     _add_dataset(i)
     return parser
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from tessera.config import FIELDS, make_config, read_toml
+    from tessera.dist.context import env_world_size
     from tessera.train import train
 
     flags = {k: v for k, v in vars(args).items() if k in FIELDS}
     cfg = make_config(read_toml(args.config) if args.config else {}, flags)
+    if cfg.nprocs > 1 and env_world_size() <= 1:
+        from tessera.dist.launch import launch
+
+        return launch(argv, cfg.nprocs)
     res = train(cfg)
+    if not res:  # a non-zero rank: rank 0 reports
+        return 0
     print(
         f"{cfg.model} on {res['dataset']}: test acc {res['test_acc']:.4f} | val acc {res['val_acc']:.4f} "
         f"(best epoch {res['best_epoch']}) | median epoch {res['epoch_time_median_s'] * 1e3:.2f} ms | "
@@ -98,6 +111,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit status."""
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a usage error already printed in one line
@@ -106,7 +120,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"train": _cmd_train, "info": _cmd_info}[args.command](args)
+        if args.command == "train":
+            return _cmd_train(args, argv)
+        return _cmd_info(args)
+    except DistributedError as e:
+        if os.environ.get("TESSERA_LAUNCHER_PID"):
+            return PEER_FAILED  # the launcher names the rank that failed first
+        print(f"tessera: error: {e}", file=sys.stderr)
+        return 1
     except TesseraError as e:
         print(f"tessera: error: {e}", file=sys.stderr)
         return 2

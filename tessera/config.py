@@ -40,6 +40,11 @@ class TrainConfig:
     plot: bool = False
     checkpoint_every: int = 10
     progress: bool = True
+    nprocs: int = 1
+    remote_agg: str = "prepost"
+    partition: str = "metis"
+    parts_dir: str | None = None
+    timeout: float = 300.0
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for out-of-range values; returns self."""
@@ -58,6 +63,16 @@ class TrainConfig:
                 f"--feature-norm must be auto, row or none, got {self.feature_norm!r}",
             ),
             (self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}"),
+            (self.nprocs >= 1, f"--nprocs must be >= 1, got {self.nprocs}"),
+            (
+                self.remote_agg in ("post", "pre", "prepost"),
+                f"--remote-agg must be post, pre or prepost, got {self.remote_agg!r}",
+            ),
+            (
+                self.partition in ("metis", "range", "random"),
+                f"--partition must be metis, range or random, got {self.partition!r}",
+            ),
+            (self.timeout > 0, f"--timeout must be positive seconds, got {self.timeout}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -98,6 +113,8 @@ def make_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tra
     for k, v in merged.items():
         default = getattr(cfg, k)
         kind = type(default) if default is not None else (int if k == "threads" else str)
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
         try:
             if kind is bool and not isinstance(v, bool):
                 raise ValueError

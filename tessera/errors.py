@@ -19,3 +19,7 @@ class UnsafePickleError(DatasetError):
 
 class ConfigError(TesseraError):
     """A command-line flag or config-file value is invalid."""
+
+
+class DistributedError(TesseraError):
+    """A distributed job lost a rank, timed out, or was given mismatched partition files."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import resource
 import statistics
 import time
@@ -17,7 +18,8 @@ from tqdm import tqdm
 from tessera import ops
 from tessera.checkpoint import load_checkpoint, save_checkpoint, write_json
 from tessera.config import TrainConfig
-from tessera.errors import ConfigError
+from tessera.dist.context import Comm, env_world_size
+from tessera.errors import ConfigError, DistributedError
 from tessera.graph import Graph
 from tessera.nn import build_model
 
@@ -64,15 +66,24 @@ def default_out_dir(cfg: TrainConfig) -> Path:
 class Trainer:
     """Trains one model on one graph; ``fit()`` returns the result dict also written to ``result.json``."""
 
-    def __init__(self, cfg: TrainConfig, graph: Graph) -> None:
+    def __init__(self, cfg: TrainConfig, graph: Graph, comm: Comm | None = None) -> None:
         cfg.validate()
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
-        self.cfg, self.graph = cfg, graph
+        self.cfg = cfg
+        self.comm = comm or Comm(0, 1, torch.device("cpu"))
+        self.is_main = self.comm.rank == 0
         if cfg.threads:
             ops.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.x = prepare_features(graph, cfg.feature_norm)
-        self.y = graph.y
+        x = prepare_features(graph, cfg.feature_norm)
+        # Global split sizes: losses and accuracies are sums over ranks divided by these.
+        self.counts = {k: int(getattr(graph, f"{k}_mask").sum()) for k in ("train", "val", "test")}
+        self.full_graph = graph
+        if self.comm.world > 1:
+            graph = self._shard(graph)
+            x = x[graph.owned]
+        self.graph = graph
+        self.x, self.y = x, graph.y
         self.idx = {k: getattr(graph, f"{k}_mask").nonzero().view(-1) for k in ("train", "val", "test")}
         self.model = build_model(
             cfg.model,
@@ -92,26 +103,52 @@ class Trainer:
         self.history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ one epoch
+    def _shard(self, graph: Graph):
+        from tessera.dist.halo import DistGraph
+        from tessera.graph.partition import partition
+
+        if self.cfg.model == "gat":
+            raise ConfigError("GAT trains single-process only for now: drop --nprocs or pick gcn, sage or gin")
+        part = torch.zeros(graph.num_nodes, dtype=torch.int64)
+        if self.is_main:
+            part = torch.from_numpy(
+                partition(graph, self.comm.world, self.cfg.partition, seed=self.cfg.seed).astype("int64")
+            )
+        self.comm.broadcast(part)
+        return DistGraph(graph, part.numpy(), self.comm.rank, self.comm.world, self.cfg.remote_agg)
+
     def train_step(self) -> float:
         """Forward over all vertices, loss on the train split, backward, Adam step; returns the loss."""
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         logits = self.model(self.x, self.graph)
-        loss = F.cross_entropy(logits[self.idx["train"]], self.y[self.idx["train"]])
+        tr = self.idx["train"]
+        # The sum over this rank's training vertices divided by the global count: summed over ranks
+        # it is exactly the single-process mean loss, and so are the all-reduced gradients.
+        loss = F.cross_entropy(logits[tr], self.y[tr], reduction="sum") / self.counts["train"]
         loss.backward()
+        if self.comm.world > 1:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            flat = self.comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         self.opt.step()
-        return float(loss.detach())
+        return float(self.comm.all_reduce_sum(loss.detach().clone()))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Accuracy on each split and the validation loss, in eval mode (no dropout)."""
+        """Accuracy on each split and the validation loss, in eval mode (no dropout), over all ranks."""
         self.model.eval()
         logits = self.model(self.x, self.graph)
         pred = logits.argmax(1)
-        res = {
-            f"{k}_acc": float((pred[i] == self.y[i]).float().mean()) if i.numel() else 0.0 for k, i in self.idx.items()
-        }
-        res["val_loss"] = float(F.cross_entropy(logits[self.idx["val"]], self.y[self.idx["val"]]))
+        sums = [(pred[i] == self.y[i]).sum().to(torch.float64) for i in self.idx.values()]
+        vi = self.idx["val"]
+        sums.append(F.cross_entropy(logits[vi], self.y[vi], reduction="sum").to(torch.float64))
+        tot = self.comm.all_reduce_sum(torch.stack(sums))
+        res = {f"{k}_acc": float(tot[n] / self.counts[k]) if self.counts[k] else 0.0 for n, k in enumerate(self.idx)}
+        res["val_loss"] = float(tot[3] / max(self.counts["val"], 1))
         return res
 
     # ------------------------------------------------------------------ state
@@ -150,10 +187,13 @@ class Trainer:
         self.history = list(ckpt["history"])
 
     def _checkpoint(self) -> None:
-        save_checkpoint(self.out / CHECKPOINT, self.state())
+        if self.is_main:
+            save_checkpoint(self.out / CHECKPOINT, self.state())
 
     def _start_metrics(self) -> Any:
         # Rewrite the file from the checkpoint's history so lines past the checkpoint vanish.
+        if not self.is_main:
+            return open(os.devnull, "w")
         path = self.out / METRICS
         with open(path, "w") as f:
             for rec in self.history:
@@ -225,9 +265,9 @@ class Trainer:
         final = self.evaluate()
         times = [h["epoch_time_s"] for h in self.history]
         result = {
-            "dataset": self.graph.name,
-            "num_nodes": self.graph.num_nodes,
-            "num_edges": self.graph.num_edges,
+            "dataset": self.full_graph.name,
+            "num_nodes": self.full_graph.num_nodes,
+            "num_edges": self.full_graph.num_edges,
             "best_epoch": self.best["epoch"],
             "epochs_run": self.epoch,
             "stopped_early": stopped,
@@ -239,18 +279,41 @@ class Trainer:
             "num_params": sum(p.numel() for p in self.model.parameters()),
             "config": self.cfg.to_dict(),
         }
+        if not self.is_main:
+            return {}
+        result["world_size"] = self.comm.world
         write_json(self.out / RESULT, result)
         if self.cfg.plot:
             from tessera.plot import plot_curves
 
-            plot_curves(self.history, self.out / PLOT, title=f"{self.cfg.model} on {self.graph.name}")
+            plot_curves(self.history, self.out / PLOT, title=f"{self.cfg.model} on {self.full_graph.name}")
         return result
 
 
 def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
-    """Load ``cfg.dataset`` (unless a graph is given), train, and return the result dict."""
+    """Load ``cfg.dataset`` (unless a graph is given), train, and return the result dict.
+
+    Inside a distributed job (``WORLD_SIZE`` > 1, from ``tessera train --nprocs`` or torchrun)
+    every rank runs this; each trains its partition and rank 0 writes the outputs."""
     if graph is None:
         from tessera.datasets import load
 
         graph = load(cfg.dataset, name=cfg.name)
-    return Trainer(cfg, graph).fit()
+    if env_world_size() <= 1:
+        return Trainer(cfg, graph).fit()
+    from tessera.dist.context import init_from_env, shutdown
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        cfg.resume = True  # a restarted torchrun worker continues from the last checkpoint
+    comm = init_from_env(cfg.timeout)
+    try:
+        return Trainer(cfg, graph, comm).fit()
+    except RuntimeError as e:  # gloo/NCCL: a peer died, hung past --timeout, or broke the exchange
+        if os.environ.get("TESSERA_DEBUG"):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(
+            f"rank {comm.rank}: a collective failed ({first[:200]}); a peer died or timed out"
+        ) from None
+    finally:
+        shutdown()

@@ -83,3 +83,24 @@ def test_dropout_is_seeded_and_thread_count_independent():
     assert not torch.equal(a, c)
     assert dropout(x, 0.5, training=False) is x
     assert torch.equal(dropout(x, 0.0), x)
+
+
+@pytest.mark.parametrize("backend", ops.available_backends())
+def test_rectangular_csr_matrix_matches_dense_and_gradcheck(backend):
+    from tessera.ops.sparse import CSRMatrix
+
+    gen = torch.Generator().manual_seed(1)
+    rows, cols, nnz = 7, 11, 30
+    r = torch.randint(0, rows - 1, (nnz,), generator=gen)  # the last row stays empty
+    c = torch.randint(0, cols, (nnz,), generator=gen)
+    order = torch.argsort(r * cols + c)
+    r, c = r[order], c[order]
+    indptr = torch.zeros(rows + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.bincount(r, minlength=rows), 0)
+    w = torch.rand(nnz, dtype=torch.float64)
+    m = CSRMatrix.from_numpy(indptr.numpy(), c.numpy(), None, rows, cols)
+    dense = torch.zeros(rows, cols, dtype=torch.float64).index_put_((r, c), w, accumulate=True)
+    x = torch.randn(cols, 4, dtype=torch.float64, requires_grad=True)
+    wg = w.clone().requires_grad_(True)
+    torch.testing.assert_close(ops.aggregate(m, x, "sum", w, backend), dense @ x)
+    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(m, x, "sum", w, backend), (x, wg))

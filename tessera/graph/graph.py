@@ -229,6 +229,16 @@ class Graph:
         return int(self.indices.numel())
 
     @property
+    def num_rows(self) -> int:
+        """Rows of the adjacency (destinations): ``num_nodes``."""
+        return self.num_nodes
+
+    @property
+    def num_cols(self) -> int:
+        """Columns of the adjacency (sources): ``num_nodes``."""
+        return self.num_nodes
+
+    @property
     def num_features(self) -> int:
         """Width of the node features (0 without features)."""
         return 0 if self.x is None else int(self.x.shape[1])

@@ -3,6 +3,7 @@
 from tessera.ops import backends as _backends  # noqa: F401  (registers the backends)
 from tessera.ops.aggregate import aggregate, inv_in_degree
 from tessera.ops.attention import edge_score, edge_softmax
+from tessera.ops.attention_kernels import gat_attention
 from tessera.ops.dropout import dropout
 from tessera.ops.registry import available_backends, get_backend, register_backend
 from tessera.ops.threads import set_num_threads
@@ -13,6 +14,7 @@ __all__ = [
     "dropout",
     "edge_score",
     "edge_softmax",
+    "gat_attention",
     "get_backend",
     "inv_in_degree",
     "register_backend",

@@ -59,8 +59,10 @@ def aggregate(
     ``weight`` ``(E,)`` or ``(E, H)`` in CSR order; mean divides by the in-edge count."""
     if reduce not in _REDUCES:
         raise ConfigError(f"unknown reduce {reduce!r}; choose from {', '.join(_REDUCES)}")
-    if x.shape[0] != graph.num_nodes:
-        raise ValueError(f"x has {x.shape[0]} rows but the graph has {graph.num_nodes} vertices")
+    if hasattr(graph, "distributed_aggregate"):  # a rank's view of a partitioned graph
+        return graph.distributed_aggregate(x, reduce, weight, backend)
+    if x.shape[0] != graph.num_cols:
+        raise ValueError(f"x has {x.shape[0]} rows but the graph has {graph.num_cols} source vertices")
     if weight is not None and weight.shape[0] != graph.num_edges:
         raise ValueError(f"weight has {weight.shape[0]} entries but the graph has {graph.num_edges} edges")
     return _Aggregate.apply(x, weight, graph, reduce, get_backend(backend))

@@ -67,16 +67,12 @@ def _make_plan(indptr: torch.Tensor, threads: int, chunk: int) -> _Plan:
     return _Plan(blocks, heavy, rows.astype(np.int64), piece_ptr, owner.astype(np.int64), rows[owner], lo, hi)
 
 
-def _plans(graph: Graph) -> tuple[_Plan, _Plan]:
-    """Destination-major and source-major plans for the current thread count (cached on the graph)."""
+def _plan(graph: Graph, transposed: bool) -> _Plan:
+    """The destination-major (or source-major) plan for the current thread count, cached on the graph."""
     threads = numba.get_num_threads()
-    key = ("gat_attention_plan", threads, _CHUNK)
+    key = ("gat_attention_plan", transposed, threads, _CHUNK)
     return graph.cached(
-        key,
-        lambda: (
-            _make_plan(graph.indptr, threads, _CHUNK),
-            _make_plan(graph.transpose().indptr, threads, _CHUNK),
-        ),
+        key, lambda: _make_plan(graph.transpose().indptr if transposed else graph.indptr, threads, _CHUNK)
     )
 
 
@@ -92,7 +88,7 @@ def _pow2_f32(typingctx, k):
     return types.float32(types.int32), codegen
 
 
-@numba.njit(fastmath=True, cache=True, inline="always")
+@numba.njit(fastmath=True, cache=True)
 def _exp_f32(x):
     # Without Intel SVML numba calls libm's scalar expf (~2 ns); this Cephes-style polynomial
     # (2 ulp, 0 below exp's normal range) vectorises and makes the softmax about 4x cheaper.
@@ -122,73 +118,86 @@ def _exp_overload(x):
 
 
 # ---------------------------------------------------------------------------------- row passes
-@numba.njit(**_JIT)
-def _score_max(indices, a_src, a_dst, i, lo, hi, slope, out, m):
-    """Write leaky-relu scores of edges lo:hi of row i into out; m gets their per-head max."""
-    heads = m.size
+# Helpers take (2-D array, row) pairs rather than row views: LLVM vectorises explicit 2-D
+# indexing and keeps the accumulators in registers, about 2x faster when measured.
+_INLINE = {"fastmath": True, "cache": True, "inline": "always"}
+
+
+@numba.njit(**_INLINE)
+def _score_max(indices, a_src, a_dst, i, lo, hi, slope, out, m, r):
+    """Write leaky-relu scores of edges lo:hi of row i into out; m[r] gets their per-head max."""
+    heads = a_src.shape[1]
     j = indices[lo]
     for h in range(heads):
         v = a_src[j, h] + a_dst[i, h]
         v = v if v > 0 else v * slope
         out[lo, h] = v
-        m[h] = v
+        m[r, h] = v
     for e in range(lo + 1, hi):
         j = indices[e]
         for h in range(heads):
             v = a_src[j, h] + a_dst[i, h]
             v = v if v > 0 else v * slope
             out[e, h] = v
-            m[h] = max(m[h], v)
+            m[r, h] = max(m[r, h], v)
 
 
-@numba.njit(**_JIT)
-def _exp_sum(lo, hi, out, m, s):
-    """Replace out[lo:hi] by exp(out - m); s gets the per-head sums."""
-    s[:] = 0
+@numba.njit(**_INLINE)
+def _exp_sum(lo, hi, out, m, mr, s, sr):
+    """Replace out[lo:hi] by exp(out - m[mr]); s[sr] gets the per-head sums."""
+    heads = out.shape[1]
+    for h in range(heads):
+        s[sr, h] = 0
     for e in range(lo, hi):
-        for h in range(m.size):
-            v = _exp(out[e, h] - m[h])
+        for h in range(heads):
+            v = _exp(out[e, h] - m[mr, h])
             out[e, h] = v
-            s[h] += v
+            s[sr, h] += v
 
 
-@numba.njit(**_JIT)
-def _scale(lo, hi, out, r):
+@numba.njit(**_INLINE)
+def _scale(lo, hi, out, f, fr):
     for e in range(lo, hi):
-        for h in range(r.size):
-            out[e, h] *= r[h]
+        for h in range(out.shape[1]):
+            out[e, h] *= f[fr, h]
 
 
-@numba.njit(**_JIT)
-def _dot(lo, hi, alpha, grad, d):
-    """d gets the per-head sum of alpha * grad over edges lo:hi."""
-    d[:] = 0
+@numba.njit(**_INLINE)
+def _dot(lo, hi, alpha, grad, d, r):
+    """d[r] gets the per-head sum of alpha * grad over edges lo:hi."""
+    heads = alpha.shape[1]
+    for h in range(heads):
+        d[r, h] = 0
     for e in range(lo, hi):
-        for h in range(d.size):
-            d[h] += alpha[e, h] * grad[e, h]
+        for h in range(heads):
+            d[r, h] += alpha[e, h] * grad[e, h]
 
 
-@numba.njit(**_JIT)
-def _d_pre(indices, a_src, a_dst, i, lo, hi, slope, alpha, grad, d, dpre, acc):
-    """Gradient w.r.t. the pre-activation score of edges lo:hi of row i; acc gets its per-head sum."""
-    acc[:] = 0
+@numba.njit(**_INLINE)
+def _d_pre(indices, a_src, a_dst, i, lo, hi, slope, alpha, grad, d, dr, dpre, acc, ar):
+    """Gradient w.r.t. the pre-activation score of edges lo:hi of row i; acc[ar] gets its per-head sum."""
+    heads = alpha.shape[1]
+    for h in range(heads):
+        acc[ar, h] = 0
     for e in range(lo, hi):
         j = indices[e]
-        for h in range(d.size):
-            v = alpha[e, h] * (grad[e, h] - d[h])
+        for h in range(heads):
+            v = alpha[e, h] * (grad[e, h] - d[dr, h])
             if not a_src[j, h] + a_dst[i, h] > 0:
                 v *= slope
             dpre[e, h] = v
-            acc[h] += v
+            acc[ar, h] += v
 
 
-@numba.njit(**_JIT)
-def _gather_sum(lo, hi, perm, dpre, acc):
-    acc[:] = 0
+@numba.njit(**_INLINE)
+def _gather_sum(lo, hi, perm, dpre, acc, r):
+    heads = dpre.shape[1]
+    for h in range(heads):
+        acc[r, h] = 0
     for k in range(lo, hi):
         e = perm[k]
-        for h in range(acc.shape[0]):
-            acc[h] += dpre[e, h]
+        for h in range(heads):
+            acc[r, h] += dpre[e, h]
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -196,22 +205,21 @@ def _gather_sum(lo, hi, perm, dpre, acc):
 def _forward_kernel(indptr, indices, a_src, a_dst, slope, blocks, heavy, rows, pptr, powner, prow, plo, phi, out):
     heads = a_src.shape[1]
     for b in numba.prange(blocks.size - 1):
-        m = np.empty(heads, out.dtype)
-        s = np.empty(heads, out.dtype)
+        ms = np.empty((2, heads), out.dtype)  # row max, then reciprocal row sum
         for i in range(blocks[b], blocks[b + 1]):
             lo, hi = indptr[i], indptr[i + 1]
             if hi == lo or hi - lo > heavy:
                 continue
-            _score_max(indices, a_src, a_dst, i, lo, hi, slope, out, m)
-            _exp_sum(lo, hi, out, m, s)
+            _score_max(indices, a_src, a_dst, i, lo, hi, slope, out, ms, 0)
+            _exp_sum(lo, hi, out, ms, 0, ms, 1)
             for h in range(heads):
-                s[h] = 1 / s[h]
-            _scale(lo, hi, out, s)
+                ms[1, h] = 1 / ms[1, h]
+            _scale(lo, hi, out, ms, 1)
     # Heavy rows: per-piece max, combine, per-piece exp-sum, combine, per-piece scale.
     npieces = plo.size
     part = np.empty((npieces, heads), out.dtype)
     for p in numba.prange(npieces):
-        _score_max(indices, a_src, a_dst, prow[p], plo[p], phi[p], slope, out, part[p])
+        _score_max(indices, a_src, a_dst, prow[p], plo[p], phi[p], slope, out, part, p)
     red = np.empty((rows.size, heads), out.dtype)
     for r in range(rows.size):
         red[r] = part[pptr[r]]
@@ -219,14 +227,13 @@ def _forward_kernel(indptr, indices, a_src, a_dst, slope, blocks, heavy, rows, p
             for h in range(heads):
                 red[r, h] = max(red[r, h], part[p, h])
     for p in numba.prange(npieces):
-        _exp_sum(plo[p], phi[p], out, red[powner[p]], part[p])
-    for r in range(rows.size):
-        red[r] = 0
-        for p in range(pptr[r], pptr[r + 1]):
-            red[r] += part[p]
-        red[r] = 1 / red[r]
+        _exp_sum(plo[p], phi[p], out, red, powner[p], part, p)
+    red[:] = 0
+    for p in range(npieces):
+        red[powner[p]] += part[p]
+    red[:] = 1 / red
     for p in numba.prange(npieces):
-        _scale(plo[p], phi[p], out, red[powner[p]])
+        _scale(plo[p], phi[p], out, red, powner[p])
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -235,22 +242,21 @@ def _backward_dst_kernel(
 ):
     heads = a_src.shape[1]
     for b in numba.prange(blocks.size - 1):
-        d = np.empty(heads, alpha.dtype)
+        d = np.empty((1, heads), alpha.dtype)
         for i in range(blocks[b], blocks[b + 1]):
             lo, hi = indptr[i], indptr[i + 1]
-            if hi - lo > heavy:
-                continue
-            _dot(lo, hi, alpha, grad, d)
-            _d_pre(indices, a_src, a_dst, i, lo, hi, slope, alpha, grad, d, dpre, gdst[i])
+            if hi - lo <= heavy:
+                _dot(lo, hi, alpha, grad, d, 0)
+                _d_pre(indices, a_src, a_dst, i, lo, hi, slope, alpha, grad, d, 0, dpre, gdst, i)
     npieces = plo.size
     part = np.empty((npieces, heads), alpha.dtype)
     for p in numba.prange(npieces):
-        _dot(plo[p], phi[p], alpha, grad, part[p])
+        _dot(plo[p], phi[p], alpha, grad, part, p)
     red = np.zeros((rows.size, heads), alpha.dtype)
     for p in range(npieces):
         red[powner[p]] += part[p]
     for p in numba.prange(npieces):
-        _d_pre(indices, a_src, a_dst, prow[p], plo[p], phi[p], slope, alpha, grad, red[powner[p]], dpre, part[p])
+        _d_pre(indices, a_src, a_dst, prow[p], plo[p], phi[p], slope, alpha, grad, red, powner[p], dpre, part, p)
     for r in range(rows.size):
         gdst[rows[r]] = 0
     for p in range(npieces):
@@ -264,11 +270,11 @@ def _backward_src_kernel(tindptr, perm, dpre, blocks, heavy, rows, pptr, powner,
         for j in range(blocks[b], blocks[b + 1]):
             lo, hi = tindptr[j], tindptr[j + 1]
             if hi - lo <= heavy:
-                _gather_sum(lo, hi, perm, dpre, gsrc[j])
+                _gather_sum(lo, hi, perm, dpre, gsrc, j)
     npieces = plo.size
     part = np.empty((npieces, heads), dpre.dtype)
     for p in numba.prange(npieces):
-        _gather_sum(plo[p], phi[p], perm, dpre, part[p])
+        _gather_sum(plo[p], phi[p], perm, dpre, part, p)
     for r in range(rows.size):
         gsrc[rows[r]] = 0
     for p in range(npieces):
@@ -276,38 +282,29 @@ def _backward_src_kernel(tindptr, perm, dpre, blocks, heavy, rows, pptr, powner,
 
 
 def _plan_args(plan: _Plan) -> tuple:
-    return (
-        plan.blocks,
-        plan.heavy,
-        plan.rows,
-        plan.piece_ptr,
-        plan.piece_owner,
-        plan.piece_row,
-        plan.piece_lo,
-        plan.piece_hi,
-    )
+    p = plan
+    return p.blocks, p.heavy, p.rows, p.piece_ptr, p.piece_owner, p.piece_row, p.piece_lo, p.piece_hi
 
 
-def _slope(slope: float, dtype: torch.dtype):
-    return np.float32(slope) if dtype == torch.float32 else np.float64(slope)
+def _scalar(value: float, dtype: torch.dtype):
+    return np.float32(value) if dtype == torch.float32 else np.float64(value)
 
 
 # ---------------------------------------------------------------------------------- entry points
 def gat_attention_forward(
-    graph: Graph, a_src: torch.Tensor, a_dst: torch.Tensor, negative_slope: float
+    graph: Graph, a_src: torch.Tensor, a_dst: torch.Tensor, negative_slope: float = 0.2
 ) -> torch.Tensor:
-    """Attention coefficients ``alpha`` ``(E, H)`` from contiguous ``(N, H)`` float32/float64 inputs, no autograd."""
+    """``alpha`` ``(E, H)`` from contiguous float32/float64 ``(N, H)`` scores, without autograd."""
     sync_numba_threads()
     out = torch.empty(graph.num_edges, a_src.shape[1], dtype=a_src.dtype)
     if graph.num_edges:
-        dst_plan, _ = _plans(graph)
         _forward_kernel(
             graph.indptr.numpy(),
             graph.indices.numpy(),
             a_src.numpy(),
             a_dst.numpy(),
-            _slope(negative_slope, a_src.dtype),
-            *_plan_args(dst_plan),
+            _scalar(negative_slope, a_src.dtype),
+            *_plan_args(_plan(graph, False)),
             out.numpy(),
         )
     return out
@@ -322,33 +319,32 @@ def gat_attention_backward(
     negative_slope: float = 0.2,
     need_src: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Fused softmax + leaky-relu + edge-score backward: ``(grad_a_src, grad_a_dst)`` from ``grad_alpha``."""
+    """Fused softmax, leaky-relu and edge-score backward: ``(grad_a_src, grad_a_dst)`` from ``grad_alpha``."""
     sync_numba_threads()
-    n, heads = a_src.shape
     dtype = alpha.dtype
-    grad_alpha = grad_alpha.to(dtype).contiguous()
-    gdst = torch.empty(n, heads, dtype=dtype)
-    gsrc = torch.empty(n, heads, dtype=dtype) if need_src else None
+    a_src, a_dst, alpha, grad_alpha = (t.to(dtype).contiguous() for t in (a_src, a_dst, alpha, grad_alpha))
+    gdst = torch.empty(a_dst.shape, dtype=dtype)
+    gsrc = torch.empty(a_src.shape, dtype=dtype) if need_src else None
     if not graph.num_edges:
-        gdst.zero_()
-        return (gsrc.zero_() if need_src else None), gdst
-    dst_plan, src_plan = _plans(graph)
+        return (gsrc.zero_() if need_src else None), gdst.zero_()
     dpre = torch.empty_like(alpha)
     _backward_dst_kernel(
         graph.indptr.numpy(),
         graph.indices.numpy(),
         a_src.numpy(),
         a_dst.numpy(),
-        _slope(negative_slope, dtype),
+        _scalar(negative_slope, dtype),
         alpha.numpy(),
         grad_alpha.numpy(),
-        *_plan_args(dst_plan),
+        *_plan_args(_plan(graph, False)),
         dpre.numpy(),
         gdst.numpy(),
     )
     if need_src:
         t = graph.transpose()
-        _backward_src_kernel(t.indptr.numpy(), t.perm.numpy(), dpre.numpy(), *_plan_args(src_plan), gsrc.numpy())
+        _backward_src_kernel(
+            t.indptr.numpy(), t.perm.numpy(), dpre.numpy(), *_plan_args(_plan(graph, True)), gsrc.numpy()
+        )
     return gsrc, gdst
 
 
@@ -362,29 +358,27 @@ class _GATAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        a_src, a_dst, alpha = ctx.saved_tensors
         need_src, need_dst = ctx.needs_input_grad[:2]
         if not (need_src or need_dst):
             return None, None, None, None
+        a_src, a_dst, alpha = ctx.saved_tensors
         gsrc, gdst = gat_attention_backward(ctx.graph, a_src, a_dst, alpha, grad, ctx.negative_slope, need_src)
         return gsrc, (gdst if need_dst else None), None, None
 
 
-def _reference(graph: Graph, a_src: torch.Tensor, a_dst: torch.Tensor, negative_slope: float) -> torch.Tensor:
-    return edge_softmax(graph, F.leaky_relu(edge_score(graph, a_src, a_dst), negative_slope))
-
-
 def gat_attention(graph: Graph, a_src: torch.Tensor, a_dst: torch.Tensor, negative_slope: float = 0.2) -> torch.Tensor:
     """``alpha[e, h]``: softmax over row ``i``'s in-edges of ``leaky_relu(a_src[j, h] + a_dst[i, h])``, ``(E, H)``."""
-    n = graph.num_nodes
-    if a_src.shape != a_dst.shape or a_src.dim() not in (1, 2) or a_src.shape[0] != n:
+    n_dst = graph.indptr.numel() - 1
+    n_src = getattr(graph, "num_cols", n_dst)  # a rectangular CSRMatrix has its own column count
+    if a_src.dim() not in (1, 2) or a_src.shape[1:] != a_dst.shape[1:] or (len(a_src), len(a_dst)) != (n_src, n_dst):
         raise ValueError(
-            f"a_src and a_dst must both have shape ({n},) or ({n}, H), got {tuple(a_src.shape)} and {tuple(a_dst.shape)}"
+            f"a_src and a_dst must have shapes ({n_src}, H) and ({n_dst}, H) (or 1-D), "
+            f"got {tuple(a_src.shape)} and {tuple(a_dst.shape)}"
         )
     dtype = torch.promote_types(a_src.dtype, a_dst.dtype)
     if a_src.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
-        return _reference(graph, a_src, a_dst, negative_slope)
+        return edge_softmax(graph, F.leaky_relu(edge_score(graph, a_src, a_dst), negative_slope))
     flat = a_src.dim() == 1
-    a_src, a_dst = (a.to(dtype).reshape(n, -1).contiguous() for a in (a_src, a_dst))
+    a_src, a_dst = ((a.unsqueeze(1) if flat else a).to(dtype).contiguous() for a in (a_src, a_dst))
     alpha = _GATAttention.apply(a_src, a_dst, graph, float(negative_slope))
-    return alpha.view(-1) if flat else alpha
+    return alpha.squeeze(1) if flat else alpha

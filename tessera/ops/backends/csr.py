@@ -128,8 +128,9 @@ class CSRBackend:
     def _run(self, graph: Graph, indptr, indices, x: torch.Tensor, w: torch.Tensor | None, transposed: bool):
         sync_numba_threads()
         x = x.contiguous()
-        out = torch.empty_like(x)
-        if x.shape[0] == 0 or x.numel() == 0:
+        rows = graph.num_cols if transposed else graph.num_rows
+        out = x.new_empty((rows, *x.shape[1:]))
+        if rows == 0 or x.numel() == 0:
             return out.zero_()
         if x.dim() == 2:
             items = self._items(graph, transposed, x.shape[1])

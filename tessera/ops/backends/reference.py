@@ -10,18 +10,18 @@ from tessera.graph import Graph
 from tessera.ops.registry import register_backend
 
 
-def _csr(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, n: int) -> torch.Tensor:
+def _csr(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
-        return torch.sparse_csr_tensor(indptr, indices, values, (n, n), check_invariants=False)
+        return torch.sparse_csr_tensor(indptr, indices, values, shape, check_invariants=False)
 
 
-def _matmul(indptr, indices, values, x, n):
+def _matmul(indptr, indices, values, x, shape):
     if x.dim() == 2:
-        return _csr(indptr, indices, values, n) @ x
+        return _csr(indptr, indices, values, shape) @ x
     heads = x.shape[1]
     vals = values if values.dim() == 2 else values.unsqueeze(1).expand(-1, heads)
-    return torch.stack([_csr(indptr, indices, vals[:, h].contiguous(), n) @ x[:, h] for h in range(heads)], 1)
+    return torch.stack([_csr(indptr, indices, vals[:, h].contiguous(), shape) @ x[:, h] for h in range(heads)], 1)
 
 
 class ReferenceBackend:
@@ -34,12 +34,12 @@ class ReferenceBackend:
 
     def spmm(self, graph: Graph, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         values = self._ones(graph, x.dtype) if weight is None else weight.to(x.dtype)
-        return _matmul(graph.indptr, graph.indices, values, x.contiguous(), graph.num_nodes)
+        return _matmul(graph.indptr, graph.indices, values, x.contiguous(), (graph.num_rows, graph.num_cols))
 
     def spmm_t(self, graph: Graph, g: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         t = graph.transpose()
         values = self._ones(graph, g.dtype) if weight is None else weight.to(g.dtype)[t.perm.long()]
-        return _matmul(t.indptr, t.indices, values, g.contiguous(), graph.num_nodes)
+        return _matmul(t.indptr, t.indices, values, g.contiguous(), (graph.num_cols, graph.num_rows))
 
     def sddmm_dot(self, graph: Graph, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return (g.index_select(0, graph.dst_index()) * x.index_select(0, graph.src_index())).sum(-1)

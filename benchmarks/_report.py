@@ -1,0 +1,268 @@
+"""Machine facts and the markdown tables of ``bench_train.py`` (stdlib only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from _runner import ROOT
+
+LABELS = {
+    "tessera": "tessera",
+    "pyg-edge_index": "PyG edge_index",
+    "pyg-csr": "PyG CSR",
+    "dgl": "DGL",
+}
+SHORT = {"tessera": "tessera", "pyg-edge_index": "PyG-ei", "pyg-csr": "PyG-CSR", "dgl": "DGL"}
+
+
+# ---------------------------------------------------------------------------------- facts
+def cpu_facts() -> dict[str, Any]:
+    """CPU model, logical cores (online and usable), SIMD flags of interest, memory, kernel."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "unknown":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    mem_kib = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores_online": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "simd": " ".join(sorted(f for f in flags if f in ("avx2", "avx512f", "avx512bw", "avx512_vnni", "amx_tile"))),
+        "mem_gib": round(mem_kib / 2**20, 1),
+        "kernel": platform.release(),
+    }
+
+
+_PROBE = r"""
+import json, importlib
+out = {}
+for m in ("torch", "torch_geometric", "torch_sparse", "pyg_lib", "torch_scatter", "numba", "numpy", "dgl"):
+    try:
+        mod = importlib.import_module(m)
+        out[m] = getattr(mod, "__version__", "?")
+    except Exception as e:
+        out[m] = None
+try:
+    from tessera import ops
+    out["tessera_backends"] = ops.available_backends()
+except Exception:
+    pass
+print(json.dumps(out))
+"""
+
+
+def probe_python(python: str, timeout: float = 120.0) -> dict[str, Any]:
+    """Library versions importable by interpreter ``python`` (``{"error": ...}`` if it fails)."""
+    try:
+        r = subprocess.run(
+            [python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_probe_env()
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": str(e)}
+    if r.returncode != 0:
+        return {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _probe_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def git_state() -> dict[str, Any]:
+    """Commit of the working tree and whether ``tessera/`` has uncommitted changes."""
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "tessera_dirty": bool(git("status", "--porcelain", "tessera")),
+    }
+
+
+# ---------------------------------------------------------------------------------- aggregation
+def combine(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge repeats of one (graph, model, framework, allocator): pooled epoch times, max RSS."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    if not ok:
+        return dict(records[-1])
+    out = dict(ok[-1])
+    times = [t for r in ok for t in r["epoch_s"]]
+    out["median_ms"] = statistics.median(times) * 1e3
+    out["min_ms"], out["max_ms"] = min(times) * 1e3, max(times) * 1e3
+    out["repeat_medians_ms"] = [round(r["median_ms"], 2) for r in ok]
+    out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ok)
+    out["repeats_ok"] = len(ok)
+    out["other_load_mean"] = statistics.fmean(r.get("other_load_mean", 0.0) for r in ok)
+    return out
+
+
+def group(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str, str], dict[str, Any]]:
+    """``(graph, model, framework, allocator) -> combined record``."""
+    buckets: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        buckets.setdefault((r["graph_key"], r["model"], r["framework"], r["allocator"]), []).append(r)
+    return {k: combine(v) for k, v in buckets.items()}
+
+
+def best_of(cells: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest ``ok`` record among a framework's allocators, or ``None``."""
+    ok = [r for r in cells.values() if r.get("status") == "ok"]
+    return min(ok, key=lambda r: r["median_ms"]) if ok else None
+
+
+# ---------------------------------------------------------------------------------- formatting
+def fmt_ms(v: float) -> str:
+    """Milliseconds with 3-4 significant digits."""
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def status_text(r: dict[str, Any] | None, cap_gib: float, timeout_s: float) -> str:
+    """Short text for a record that has no time."""
+    if r is None:
+        return "—"
+    s = r.get("status")
+    if s == "oom":
+        return f"OOM (>{cap_gib:g} GiB)"
+    if s == "timeout":
+        return f"timeout (>{timeout_s:g} s)"
+    if s == "na":
+        return "n/a"
+    if s == "skipped":
+        return "skipped"
+    return "error"
+
+
+def cell(
+    cells: dict[str, dict[str, Any]], allocators: list[str], cap_gib: float, timeout_s: float
+) -> tuple[str, dict[str, Any] | None]:
+    """``"best (default / jemalloc)"`` for one framework, and its best record."""
+    best = best_of(cells)
+    parts = []
+    for a in allocators:
+        r = cells.get(a)
+        parts.append(fmt_ms(r["median_ms"]) if r and r.get("status") == "ok" else status_text(r, cap_gib, timeout_s))
+    if best is None:
+        # every allocator failed: show the first distinct failure(s)
+        return " / ".join(dict.fromkeys(parts)), None
+    detail = f" ({' / '.join(parts)})" if len(allocators) > 1 else ""
+    return f"**{fmt_ms(best['median_ms'])}**{detail}", best
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
+    """``a`` time divided by ``b`` time, e.g. ``0.42×``; ``—`` when either is missing."""
+    if a is None or b is None:
+        return "—"
+    return f"{a['median_ms'] / b['median_ms']:.2f}×"
+
+
+def graph_table(
+    graph_key: str,
+    models: list[str],
+    frameworks: list[str],
+    allocators: list[str],
+    grouped: dict[tuple[str, str, str, str], dict[str, Any]],
+    cap_gib: float,
+    timeout_s: float,
+    noisy_load: float = 0.4,
+) -> list[str]:
+    """The main markdown table for one graph."""
+    alloc_hint = " / ".join(allocators)
+    head = ["model"] + [f"{LABELS[f]} ms" for f in frameworks]
+    peers_pyg = [f for f in frameworks if f.startswith("pyg")]
+    show_pyg = "tessera" in frameworks and peers_pyg
+    show_dgl = "tessera" in frameworks and "dgl" in frameworks
+    if show_pyg:
+        head.append("tessera/PyG-best")
+    if show_dgl:
+        head.append("tessera/DGL")
+    head.append("peak RSS MiB (" + " / ".join(SHORT[f] for f in frameworks) + ")")
+    lines = [
+        f"Median training-step ms: **best allocator** ({alloc_hint}). Ratios are tessera's best time ÷ the "
+        "peer's best time (< 1: tessera faster). Peak RSS is that of each framework's best-allocator run. "
+        f"⚠: other processes used > {noisy_load:g} cores during that run's timed epochs (even after retries).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",
+    ]
+    for m in models:
+        row, bests = [m], {}
+        for f in frameworks:
+            cells = {a: grouped[(graph_key, m, f, a)] for a in allocators if (graph_key, m, f, a) in grouped}
+            text, bests[f] = cell(cells, allocators, cap_gib, timeout_s)
+            if bests[f] is not None and bests[f].get("info", {}).get("note"):
+                text += " †"
+            if bests[f] is not None and bests[f].get("other_load_mean", 0.0) > noisy_load:
+                text += " ⚠"
+            row.append(text)
+        if show_pyg:
+            pyg_ok = [bests[f] for f in peers_pyg if bests.get(f)]
+            pyg_best = min(pyg_ok, key=lambda r: r["median_ms"]) if pyg_ok else None
+            row.append(ratio(bests.get("tessera"), pyg_best))
+        if show_dgl:
+            row.append(ratio(bests.get("tessera"), bests.get("dgl")))
+        row.append(" / ".join(f"{bests[f]['peak_rss_mib']:.0f}" if bests.get(f) else "—" for f in frameworks))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def detail_table(
+    runs_grouped: dict[tuple[str, str, str, str], dict[str, Any]], cap_gib: float, timeout_s: float
+) -> list[str]:
+    """Every (graph, model, framework, allocator) with its status, spread, RSS and losses."""
+    lines = [
+        "| graph | model | framework | allocator | status | median ms | min–max ms | peak RSS MiB "
+        "| load+build s | child wall s | other load (cores) | attempts | loss first→last |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for (gk, m, f, a), r in runs_grouped.items():
+        if r.get("status") == "ok":
+            lines.append(
+                f"| {gk} | {m} | {LABELS[f]} | {a} ({r.get('allocator_in_use', '?')}) | ok | {fmt_ms(r['median_ms'])} "
+                f"| {fmt_ms(r['min_ms'])}–{fmt_ms(r['max_ms'])} | {r['peak_rss_mib']:.0f} "
+                f"| {r['load_s'] + r['build_s']:.1f} | {r.get('wall_s', 0):.0f} "
+                f"| {r.get('other_load_mean', 0):.2f} | {_attempts(r)} "
+                f"| {r['loss_first']:.3f}→{r['loss_last']:.3f} |"
+            )
+        else:
+            why = status_text(r, cap_gib, timeout_s)
+            err = str(r.get("error", "")).replace("|", "\\|")[:160]
+            lines.append(
+                f"| {gk} | {m} | {LABELS[f]} | {a} | {why} | — | — "
+                f"| {r.get('poll_peak_rss_mib', 0):.0f} (polled) | — | {r.get('wall_s', 0):.0f} | — | — | {err} |"
+            )
+    return lines
+
+
+def _attempts(r: dict[str, Any]) -> str:
+    """``1`` or, after noisy retries, each attempt's median ms @ foreign load."""
+    att = r.get("attempts") or []
+    if len(att) <= 1:
+        return "1"
+    return ", ".join(
+        f"{fmt_ms(x['median_ms'])}@{x['other_load_mean']:.1f}" if x.get("median_ms") else str(x.get("status"))
+        for x in att
+    )

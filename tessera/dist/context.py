@@ -1,0 +1,67 @@
+"""The process group: started from torchrun's standard environment or tessera's own launcher."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Comm:
+    """This process's place in the job: rank, world size, device and the collectives it uses."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over all ranks (no-op for one rank); returns ``t``."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In-place broadcast from ``src``; returns ``t``."""
+        if self.world > 1:
+            dist.broadcast(t, src)
+        return t
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.world > 1:
+            dist.barrier()
+
+
+def env_world_size() -> int:
+    """``WORLD_SIZE`` from the environment (1 when not launched as a distributed job)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_from_env(timeout_s: float) -> Comm:
+    """Join the job described by ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
+    (torchrun's variables): NCCL when every rank has a GPU, else gloo. Collectives that wait
+    longer than ``timeout_s`` raise instead of hanging."""
+    rank, world = int(os.environ["RANK"]), env_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    use_nccl = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    device = torch.device(f"cuda:{local_rank}") if use_nccl else torch.device("cpu")
+    if use_nccl:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if use_nccl else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return Comm(rank, world, device)
+
+
+def shutdown() -> None:
+    """Leave the process group if one was joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,222 @@
+"""Partition-parallel training reproduces single-process training exactly (SuperGCN §5.2)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tessera.config import TrainConfig
+from tessera.datasets import load
+from tessera.dist.launch import free_port
+from tessera.train import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("post", "pre", "prepost")
+MODELS = ("gcn", "sage")
+EPOCHS = 20
+
+
+def _config(dataset, model, mode, out):
+    return TrainConfig(
+        dataset=dataset,
+        model=model,
+        hidden=16,
+        dropout=0.0,
+        epochs=EPOCHS,
+        patience=0,
+        remote_agg=mode,
+        out=str(out),
+        progress=False,
+        checkpoint_every=1000,
+    )
+
+
+def _worker(rank, world, port, datasets, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    from tessera.dist.context import init_from_env, shutdown
+
+    torch.set_num_threads(1)
+    comm = init_from_env(120)
+    results = {}
+    try:
+        for ds, root in datasets:
+            if root:
+                os.environ["TESSERA_DATA"] = root
+            g = load(ds)
+            for model in MODELS:
+                for mode in MODES:
+                    t = Trainer(_config(ds, model, mode, Path(out_dir) / f"{ds}-{model}-{mode}"), g, comm)
+                    t.fit()
+                    results[f"{ds}|{model}|{mode}"] = {
+                        "loss": [h["train_loss"] for h in t.history],
+                        "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
+                    }
+    finally:
+        shutdown()
+    if rank == 0:
+        (Path(out_dir) / "dist.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def datasets(planetoid_root):
+    return [("cora", str(planetoid_root.parent)), ("synthetic:small", "")]
+
+
+@pytest.fixture(scope="module")
+def single_process(datasets, tmp_path_factory):
+    ref = {}
+    for ds, root in datasets:
+        if root:
+            os.environ["TESSERA_DATA"] = root
+        g = load(ds)
+        for model in MODELS:
+            t = Trainer(_config(ds, model, "prepost", tmp_path_factory.mktemp("ref")), g)
+            t.fit()
+            ref[f"{ds}|{model}"] = {"loss": [h["train_loss"] for h in t.history], "params": t.model.state_dict()}
+    return ref
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_partition_parallel_matches_single_process(world, datasets, single_process, tmp_path):
+    mp.spawn(_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world, join=True)
+    got = json.loads((tmp_path / "dist.json").read_text())
+    for key, res in got.items():
+        ds, model, mode = key.split("|")
+        ref = single_process[f"{ds}|{model}"]
+        assert len(res["loss"]) == EPOCHS
+        torch.testing.assert_close(torch.tensor(res["loss"]), torch.tensor(ref["loss"]), rtol=1e-4, atol=0, msg=key)
+        for name, value in ref["params"].items():
+            torch.testing.assert_close(
+                torch.tensor(res["params"][name]), value, rtol=1e-4, atol=1e-4, msg=f"{key} {name}"
+            )
+
+
+def _tessera(*args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "tessera", *args], env=env, capture_output=True, text=True, **kw)
+
+
+def test_nprocs_launcher_trains_and_rank0_writes(tmp_path):
+    r = _tessera(
+        "train",
+        "--dataset",
+        "synthetic:tiny",
+        "--nprocs",
+        "2",
+        "--epochs",
+        "5",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["world_size"] == 2 and res["epochs_run"] == 5
+
+
+def test_torchrun_runs_the_same_command(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "tessera",
+            "train",
+            "--dataset",
+            "synthetic:tiny",
+            "--epochs",
+            "4",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "result.json").read_text())["world_size"] == 2
+
+
+def test_gat_refuses_to_run_distributed_with_a_clear_error(tmp_path):
+    r = _tessera("train", "--dataset", "synthetic:tiny", "--model", "gat", "--nprocs", "2", "--out", str(tmp_path))
+    assert r.returncode == 2
+    lines = [s for s in r.stderr.strip().splitlines() if "error" in s]
+    assert lines and "single-process" in lines[0]
+
+
+def _worker_pids(launcher_pid):
+    pids = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"TESSERA_LAUNCHER_PID={launcher_pid}".encode() in env:
+            rank = next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))
+            pids[rank] = int(d.name)
+    return pids
+
+
+def test_killing_a_worker_ends_the_run_with_a_clear_error_before_the_timeout(tmp_path):
+    timeout = 60
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tessera",
+            "train",
+            "--dataset",
+            "synthetic:small",
+            "--nprocs",
+            "2",
+            "--epochs",
+            "100000",
+            "--patience",
+            "0",
+            "--checkpoint-every",
+            "1",
+            "--timeout",
+            str(timeout),
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.05)
+    pids = _worker_pids(proc.pid)
+    assert set(pids) == {0, 1}
+    t0 = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=timeout)
+    elapsed = time.time() - t0
+    assert proc.returncode != 0
+    assert elapsed < timeout
+    lines = [s for s in err.strip().splitlines() if s.startswith("tessera: error")]
+    assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    from tessera.checkpoint import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["epoch"] >= 1
