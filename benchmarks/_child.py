@@ -21,6 +21,8 @@ import traceback
 from typing import Any
 
 MARKER = "BENCH_RESULT "
+# An epoch is "quiet" when other processes used fewer than this many cores during it.
+QUIET_LOAD = 0.25
 
 
 def rss_mib() -> float:
@@ -120,6 +122,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     timed = times[spec["warmup"] :]
     other_timed = other[spec["warmup"] :]
+    quiet = [t for t, o in zip(timed, other_timed) if o < QUIET_LOAD]
     return {
         "status": "ok",
         "framework": fw,
@@ -131,6 +134,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "warmup_s": [round(t, 5) for t in times[: spec["warmup"]]],
         "epoch_s": [round(t, 5) for t in timed],
         "median_ms": statistics.median(timed) * 1e3,
+        "quiet_epochs": len(quiet),
+        "quiet_median_ms": statistics.median(quiet) * 1e3 if quiet else None,
         "min_ms": min(timed) * 1e3,
         "max_ms": max(timed) * 1e3,
         "other_load": [round(v, 2) for v in other_timed],

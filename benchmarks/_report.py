@@ -19,6 +19,8 @@ LABELS = {
     "pyg-csr": "PyG CSR",
     "dgl": "DGL",
 }
+QUIET_LOAD = 0.25  # same threshold as _child.QUIET_LOAD
+MIN_QUIET = 3
 SHORT = {"tessera": "tessera", "pyg-edge_index": "PyG-ei", "pyg-csr": "PyG-CSR", "dgl": "DGL"}
 
 
@@ -105,18 +107,26 @@ def git_state() -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- aggregation
 def combine(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Merge repeats of one (graph, model, framework, allocator): pooled epoch times, max RSS."""
+    """Merge repeats of one (graph, model, framework, allocator): pooled epoch times, max RSS, and
+    ``time_ms`` = median over quiet epochs (other load < ``QUIET_LOAD`` cores), or over all epochs
+    with ``noisy = True`` when fewer than ``MIN_QUIET`` epochs were quiet."""
     ok = [r for r in records if r.get("status") == "ok"]
     if not ok:
         return dict(records[-1])
     out = dict(ok[-1])
     times = [t for r in ok for t in r["epoch_s"]]
+    loads = [o for r in ok for o in r.get("other_load", [0.0] * len(r["epoch_s"]))]
+    quiet = [t for t, o in zip(times, loads) if o < QUIET_LOAD]
     out["median_ms"] = statistics.median(times) * 1e3
     out["min_ms"], out["max_ms"] = min(times) * 1e3, max(times) * 1e3
+    out["quiet_epochs"] = len(quiet)
+    out["quiet_median_ms"] = statistics.median(quiet) * 1e3 if quiet else None
+    out["noisy"] = len(quiet) < min(MIN_QUIET, len(times))
+    out["time_ms"] = out["median_ms"] if out["noisy"] else out["quiet_median_ms"]
     out["repeat_medians_ms"] = [round(r["median_ms"], 2) for r in ok]
     out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ok)
     out["repeats_ok"] = len(ok)
-    out["other_load_mean"] = statistics.fmean(r.get("other_load_mean", 0.0) for r in ok)
+    out["other_load_mean"] = statistics.fmean(loads) if loads else 0.0
     return out
 
 
@@ -131,7 +141,7 @@ def group(runs: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str, str], dic
 def best_of(cells: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """The fastest ``ok`` record among a framework's allocators, or ``None``."""
     ok = [r for r in cells.values() if r.get("status") == "ok"]
-    return min(ok, key=lambda r: r["median_ms"]) if ok else None
+    return min(ok, key=lambda r: r["time_ms"]) if ok else None
 
 
 # ---------------------------------------------------------------------------------- formatting
@@ -164,19 +174,19 @@ def cell(
     parts = []
     for a in allocators:
         r = cells.get(a)
-        parts.append(fmt_ms(r["median_ms"]) if r and r.get("status") == "ok" else status_text(r, cap_gib, timeout_s))
+        parts.append(fmt_ms(r["time_ms"]) if r and r.get("status") == "ok" else status_text(r, cap_gib, timeout_s))
     if best is None:
         # every allocator failed: show the first distinct failure(s)
         return " / ".join(dict.fromkeys(parts)), None
     detail = f" ({' / '.join(parts)})" if len(allocators) > 1 else ""
-    return f"**{fmt_ms(best['median_ms'])}**{detail}", best
+    return f"**{fmt_ms(best['time_ms'])}**{detail}", best
 
 
 def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     """``a`` time divided by ``b`` time, e.g. ``0.42×``; ``—`` when either is missing."""
     if a is None or b is None:
         return "—"
-    return f"{a['median_ms'] / b['median_ms']:.2f}×"
+    return f"{a['time_ms'] / b['time_ms']:.2f}×"
 
 
 def graph_table(
@@ -187,7 +197,6 @@ def graph_table(
     grouped: dict[tuple[str, str, str, str], dict[str, Any]],
     cap_gib: float,
     timeout_s: float,
-    noisy_load: float = 0.4,
 ) -> list[str]:
     """The main markdown table for one graph."""
     alloc_hint = " / ".join(allocators)
@@ -203,7 +212,7 @@ def graph_table(
     lines = [
         f"Median training-step ms: **best allocator** ({alloc_hint}). Ratios are tessera's best time ÷ the "
         "peer's best time (< 1: tessera faster). Peak RSS is that of each framework's best-allocator run. "
-        f"⚠: other processes used > {noisy_load:g} cores during that run's timed epochs (even after retries).",
+        "⚠: fewer than 3 quiet epochs even after retries, so the median over all (disturbed) epochs is shown.",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",
@@ -215,12 +224,12 @@ def graph_table(
             text, bests[f] = cell(cells, allocators, cap_gib, timeout_s)
             if bests[f] is not None and bests[f].get("info", {}).get("note"):
                 text += " †"
-            if bests[f] is not None and bests[f].get("other_load_mean", 0.0) > noisy_load:
+            if bests[f] is not None and bests[f].get("noisy"):
                 text += " ⚠"
             row.append(text)
         if show_pyg:
             pyg_ok = [bests[f] for f in peers_pyg if bests.get(f)]
-            pyg_best = min(pyg_ok, key=lambda r: r["median_ms"]) if pyg_ok else None
+            pyg_best = min(pyg_ok, key=lambda r: r["time_ms"]) if pyg_ok else None
             row.append(ratio(bests.get("tessera"), pyg_best))
         if show_dgl:
             row.append(ratio(bests.get("tessera"), bests.get("dgl")))
@@ -234,14 +243,16 @@ def detail_table(
 ) -> list[str]:
     """Every (graph, model, framework, allocator) with its status, spread, RSS and losses."""
     lines = [
-        "| graph | model | framework | allocator | status | median ms | min–max ms | peak RSS MiB "
-        "| load+build s | child wall s | other load (cores) | attempts | loss first→last |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| graph | model | framework | allocator | status | quiet median ms (n) | all-epoch median ms | min–max ms "
+        "| peak RSS MiB | load+build s | child wall s | other load (cores) | attempts | loss first→last |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for (gk, m, f, a), r in runs_grouped.items():
         if r.get("status") == "ok":
             lines.append(
-                f"| {gk} | {m} | {LABELS[f]} | {a} ({r.get('allocator_in_use', '?')}) | ok | {fmt_ms(r['median_ms'])} "
+                f"| {gk} | {m} | {LABELS[f]} | {a} ({r.get('allocator_in_use', '?')}) | ok "
+                f"| {fmt_ms(r['quiet_median_ms']) if r['quiet_median_ms'] else '—'} ({r['quiet_epochs']}) "
+                f"| {fmt_ms(r['median_ms'])} "
                 f"| {fmt_ms(r['min_ms'])}–{fmt_ms(r['max_ms'])} | {r['peak_rss_mib']:.0f} "
                 f"| {r['load_s'] + r['build_s']:.1f} | {r.get('wall_s', 0):.0f} "
                 f"| {r.get('other_load_mean', 0):.2f} | {_attempts(r)} "
@@ -251,18 +262,17 @@ def detail_table(
             why = status_text(r, cap_gib, timeout_s)
             err = str(r.get("error", "")).replace("|", "\\|")[:160]
             lines.append(
-                f"| {gk} | {m} | {LABELS[f]} | {a} | {why} | — | — "
+                f"| {gk} | {m} | {LABELS[f]} | {a} | {why} | — | — | — "
                 f"| {r.get('poll_peak_rss_mib', 0):.0f} (polled) | — | {r.get('wall_s', 0):.0f} | — | — | {err} |"
             )
     return lines
 
 
 def _attempts(r: dict[str, Any]) -> str:
-    """``1`` or, after noisy retries, each attempt's median ms @ foreign load."""
+    """``1`` or, after noisy retries, each attempt's all-epoch median ms and quiet-epoch count."""
     att = r.get("attempts") or []
     if len(att) <= 1:
         return "1"
     return ", ".join(
-        f"{fmt_ms(x['median_ms'])}@{x['other_load_mean']:.1f}" if x.get("median_ms") else str(x.get("status"))
-        for x in att
+        f"{fmt_ms(x['median_ms'])} ({x['quiet_epochs']}q)" if x.get("median_ms") else str(x.get("status")) for x in att
     )

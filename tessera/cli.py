@@ -60,10 +60,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")
     t.add_argument("--remote-agg", help="post | pre | prepost: how remote in-edges are aggregated (default prepost)")
     t.add_argument("--partition", help="metis | range | random (default metis)")
+    t.add_argument(
+        "--parts-dir", help="train from a `tessera partition --out` directory: each rank reads only its part"
+    )
     t.add_argument("--timeout", type=float, help="seconds a rank waits on its peers before failing (default 300)")
 
     i = sub.add_parser("info", help="print a dataset's size, degree statistics and splits")
     _add_dataset(i)
+
+    p = sub.add_parser("partition", help="partition a graph and report cut, balance and halo sizes")
+    _add_dataset(p)
+    p.add_argument("--parts", type=int, required=True, help="number of parts")
+    p.add_argument("--method", default="metis", help="metis | range | random (default metis)")
+    p.add_argument("--seed", type=int, default=0, help="seed for metis and random (default 0)")
+    p.add_argument("--out", help="write one file set per part here, for training with --parts-dir")
     return parser
 
 
@@ -108,6 +118,24 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_partition(args: argparse.Namespace) -> int:
+    from tessera.datasets import load
+    from tessera.dist.plan import compare_modes
+    from tessera.graph.partition import format_partition_report, partition, partition_stats, write_parts
+
+    g = load(args.dataset or "synthetic:small", name=args.name)
+    part = partition(g, args.parts, args.method, seed=args.seed)
+    print(format_partition_report(partition_stats(g, part, args.parts)))
+    rows = compare_modes(g.indptr.numpy(), g.indices.numpy(), part, args.parts)
+    print(
+        "rows sent per exchange (total / busiest rank): "
+        + ", ".join(f"{m} {r['total']:,} / {r['max_rank']:,}" for m, r in rows.items())
+    )
+    if args.out:
+        print(f"wrote {write_parts(g, part, args.out, method=args.method)}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit status."""
     parser = _parser()
@@ -122,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _cmd_train(args, argv)
+        if args.command == "partition":
+            return _cmd_partition(args)
         return _cmd_info(args)
     except DistributedError as e:
         if os.environ.get("TESSERA_LAUNCHER_PID"):

@@ -75,13 +75,24 @@ class Trainer:
         if cfg.threads:
             ops.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        x = prepare_features(graph, cfg.feature_norm)
-        # Global split sizes: losses and accuracies are sums over ranks divided by these.
-        self.counts = {k: int(getattr(graph, f"{k}_mask").sum()) for k in ("train", "val", "test")}
-        self.full_graph = graph
-        if self.comm.world > 1:
-            graph = self._shard(graph)
-            x = x[graph.owned]
+        splits = ("train", "val", "test")
+        if hasattr(graph, "distributed_aggregate"):  # already one rank's part (from --parts-dir)
+            local = torch.tensor(
+                [float(getattr(graph, f"{k}_mask").sum()) for k in splits] + [float((graph.x < 0).sum())]
+            )
+            tot = self.comm.all_reduce_sum(local)
+            self.counts = {k: int(tot[i]) for i, k in enumerate(splits)}
+            mode = cfg.feature_norm if cfg.feature_norm != "auto" else ("row" if tot[3] == 0 else "none")
+            x = prepare_features(graph, mode)
+            self.info = (graph.name, *graph.global_size)
+        else:
+            x = prepare_features(graph, cfg.feature_norm)
+            # Global split sizes: losses and accuracies are sums over ranks divided by these.
+            self.counts = {k: int(getattr(graph, f"{k}_mask").sum()) for k in splits}
+            self.info = (graph.name, graph.num_nodes, graph.num_edges)
+            if self.comm.world > 1:
+                graph = self._shard(graph)
+                x = x[graph.owned]
         self.graph = graph
         self.x, self.y = x, graph.y
         self.idx = {k: getattr(graph, f"{k}_mask").nonzero().view(-1) for k in ("train", "val", "test")}
@@ -115,7 +126,7 @@ class Trainer:
                 partition(graph, self.comm.world, self.cfg.partition, seed=self.cfg.seed).astype("int64")
             )
         self.comm.broadcast(part)
-        return DistGraph(graph, part.numpy(), self.comm.rank, self.comm.world, self.cfg.remote_agg)
+        return DistGraph.from_graph(graph, part.numpy(), self.comm.rank, self.comm.world, self.cfg.remote_agg)
 
     def train_step(self) -> float:
         """Forward over all vertices, loss on the train split, backward, Adam step; returns the loss."""
@@ -265,9 +276,9 @@ class Trainer:
         final = self.evaluate()
         times = [h["epoch_time_s"] for h in self.history]
         result = {
-            "dataset": self.full_graph.name,
-            "num_nodes": self.full_graph.num_nodes,
-            "num_edges": self.full_graph.num_edges,
+            "dataset": self.info[0],
+            "num_nodes": self.info[1],
+            "num_edges": self.info[2],
             "best_epoch": self.best["epoch"],
             "epochs_run": self.epoch,
             "stopped_early": stopped,
@@ -286,7 +297,7 @@ class Trainer:
         if self.cfg.plot:
             from tessera.plot import plot_curves
 
-            plot_curves(self.history, self.out / PLOT, title=f"{self.cfg.model} on {self.full_graph.name}")
+            plot_curves(self.history, self.out / PLOT, title=f"{self.cfg.model} on {self.info[0]}")
         return result
 
 
@@ -295,18 +306,23 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
 
     Inside a distributed job (``WORLD_SIZE`` > 1, from ``tessera train --nprocs`` or torchrun)
     every rank runs this; each trains its partition and rank 0 writes the outputs."""
-    if graph is None:
+    if graph is None and not cfg.parts_dir:
         from tessera.datasets import load
 
         graph = load(cfg.dataset, name=cfg.name)
-    if env_world_size() <= 1:
+    if env_world_size() <= 1 and not cfg.parts_dir:
         return Trainer(cfg, graph).fit()
     from tessera.dist.context import init_from_env, shutdown
 
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg.resume = True  # a restarted torchrun worker continues from the last checkpoint
-    comm = init_from_env(cfg.timeout)
+    comm = init_from_env(cfg.timeout) if env_world_size() > 1 else Comm(0, 1, torch.device("cpu"))
     try:
+        if cfg.parts_dir:  # each rank reads only its own part file
+            from tessera.dist.halo import DistGraph
+            from tessera.graph.partition import load_part
+
+            graph = DistGraph.from_part(load_part(cfg.parts_dir, comm.rank, expect_parts=comm.world), cfg.remote_agg)
         return Trainer(cfg, graph, comm).fit()
     except RuntimeError as e:  # gloo/NCCL: a peer died, hung past --timeout, or broke the exchange
         if os.environ.get("TESSERA_DEBUG"):

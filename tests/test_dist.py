@@ -220,3 +220,46 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error_before_the_timeout(tmp
     from tessera.checkpoint import load_checkpoint
 
     assert load_checkpoint(tmp_path / "checkpoint.pt")["epoch"] >= 1
+
+
+def test_parts_dir_training_reads_own_part_and_matches_graph_mode(tmp_path):
+    assert (
+        _tessera(
+            "partition", "--dataset", "synthetic:small", "--parts", "2", "--out", str(tmp_path / "parts")
+        ).returncode
+        == 0
+    )
+    common = ["--epochs", "8", "--nprocs", "2", "--no-progress"]
+    r1 = _tessera("train", "--parts-dir", str(tmp_path / "parts"), "--out", str(tmp_path / "a"), *common)
+    r2 = _tessera("train", "--dataset", "synthetic:small", "--out", str(tmp_path / "b"), *common)
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
+    la = [json.loads(s) for s in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(s) for s in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train_loss"] for r in la] == pytest.approx([r["train_loss"] for r in lb], rel=1e-6)
+    assert json.loads((tmp_path / "a" / "result.json").read_text())["num_nodes"] == 10_000
+
+
+def test_mismatched_partition_files_are_rejected(tmp_path):
+    parts = tmp_path / "parts"
+    assert _tessera("partition", "--dataset", "synthetic:tiny", "--parts", "2", "--out", str(parts)).returncode == 0
+    r = _tessera("train", "--parts-dir", str(parts), "--nprocs", "3", "--out", str(tmp_path / "o"), "--no-progress")
+    assert r.returncode == 2
+    err = [s for s in r.stderr.splitlines() if s.startswith("tessera: error")]
+    assert len(err) == 1 and "has 2 parts, expected 3" in err[0]
+    other = tmp_path / "other"
+    assert _tessera("partition", "--dataset", "synthetic:small", "--parts", "2", "--out", str(other)).returncode == 0
+    (parts / "part-1.npz").write_bytes((other / "part-1.npz").read_bytes())
+    r = _tessera("train", "--parts-dir", str(parts), "--nprocs", "2", "--out", str(tmp_path / "o2"), "--no-progress")
+    assert r.returncode != 0
+    err = [s for s in r.stderr.splitlines() if s.startswith("tessera: error")]
+    assert len(err) == 1 and "does not belong to this partition" in err[0]
+    assert not (tmp_path / "o2" / "checkpoint.pt").exists()
+
+
+def test_partition_command_reports_cut_balance_and_halo(capsys):
+    from tessera.cli import main
+
+    assert main(["partition", "--dataset", "synthetic:small", "--parts", "4"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("edge cut", "vertices", "train", "halo", "prepost"):
+        assert needle in out

@@ -5,18 +5,28 @@ in-edges among owned vertices, ``S`` builds the rows this rank sends (a source r
 post-aggregated edges, a partial sum for pre-aggregated ones) and ``R`` adds the received rows
 into their destinations. Backward is the transpose through the reverse exchange. The exchange
 starts asynchronously and the local product runs while it is in flight.
+
+Everything a view needs is local to the rank: self loops only touch ``A``, and GCN's symmetric
+normalisation factorises as ``D^-1/2 Â D^-1/2 x = dis * (Â (dis * x))`` with ``dis_i`` computed
+from ``i``'s own in-edges, so a rank built from its part file alone trains the same model.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from tessera.errors import ConfigError
+from tessera.dist.plan import RankPlan, build_rank_plan, plan_from_part
+from tessera.errors import ConfigError, GraphError
 from tessera.graph import Graph
 from tessera.ops.registry import get_backend
 from tessera.ops.sparse import CSRMatrix
+
+_MASKS = ("train_mask", "val_mask", "test_mask")
 
 
 class _HaloAggregate(torch.autograd.Function):
@@ -25,7 +35,7 @@ class _HaloAggregate(torch.autograd.Function):
         be = get_backend(backend)
         ctx.dg, ctx.be = dg, be
         send = be.spmm(dg.S, h, dg.S.weight)
-        recv = h.new_empty((dg.S_recv_rows, *h.shape[1:]))
+        recv = h.new_empty((dg.R.num_cols, *h.shape[1:]))
         work = dg.exchange(recv, send, forward=True)
         out = be.spmm(dg.A, h, dg.A.weight)
         if work is not None:
@@ -45,39 +55,84 @@ class _HaloAggregate(torch.autograd.Function):
         return gh + be.spmm_t(dg.S, g_send, dg.S.weight), None, None
 
 
+def _csr_rows(indptr: np.ndarray) -> np.ndarray:
+    return np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
+
+
 class DistGraph:
-    """Rank ``rank``'s share of ``graph`` under partition ``part``: owned vertices in local order,
-    their node data, and the plan matrices for ``mode`` (``post``, ``pre`` or ``prepost``)."""
+    """Rank ``plan.rank``'s share of a partitioned graph: owned vertices in local order, their
+    node data, and the plan matrices. Quacks like :class:`Graph` for the layers; ``ops.aggregate``
+    sends it to :meth:`distributed_aggregate`."""
 
-    def __init__(self, graph: Graph, part: np.ndarray, rank: int, world: int, mode: str):
-        from tessera.dist.plan import build_rank_plan
+    edge_weight = None  # weights live in the plan matrices
 
-        self.graph, self.part, self.rank, self.world, self.mode = graph, part, rank, world, mode
-        w = None if graph.edge_weight is None else graph.edge_weight.numpy()
-        plan = build_rank_plan(graph.indptr.numpy(), graph.indices.numpy(), w, part, mode, rank, world=world)
-        self.plan = plan
-        self.owned = torch.from_numpy(plan.owned).long()
-        n = int(plan.owned.size)
-        self.num_nodes = n
+    def __init__(
+        self,
+        plan: RankPlan,
+        in_weight: np.ndarray,
+        node_data: dict[str, Any],
+        fingerprint: str,
+        name: str,
+        num_classes: int | None,
+        scale: torch.Tensor | None = None,
+        global_size: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.plan, self.rank, self.world, self.mode = plan, plan.rank, plan.world, plan.mode
+        self.owned = torch.from_numpy(plan.owned.astype(np.int64))
+        n = self.num_nodes = int(plan.owned.size)
         self.A = CSRMatrix.from_numpy(*plan.A[:3], n, n)
         self.S = CSRMatrix.from_numpy(*plan.S[:3], plan.S[3], n)
         self.R = CSRMatrix.from_numpy(*plan.R[:3], n, plan.R[3])
-        self.S_recv_rows = int(plan.R[3])
         self.send_counts = [int(c) for c in plan.send_counts]
         self.recv_counts = [int(c) for c in plan.recv_counts]
         self._in_degree = torch.from_numpy(np.asarray(plan.in_degree_global, dtype=np.int64))
-        self.x = None if graph.x is None else graph.x[self.owned]
-        self.y = None if graph.y is None else graph.y[self.owned]
-        for name in ("train_mask", "val_mask", "test_mask"):
-            m = getattr(graph, name)
-            setattr(self, name, None if m is None else m[self.owned])
-        self.num_classes, self.name = graph.num_classes, graph.name
+        self._in_weight = np.asarray(in_weight, dtype=np.float64)  # weighted in-degree (= count unweighted)
+        self.node_data = node_data
+        for key in ("x", "y", *_MASKS):
+            setattr(self, key, node_data.get(key))
+        self._fingerprint, self.name, self.num_classes = fingerprint, name, num_classes
+        self.scale = scale  # GCN's dis, applied to the input and the output rows
+        self.global_num_nodes, self.global_num_edges = global_size
         self._cache: dict = {}
         self.sent_rows: list[int] = []  # rows sent per exchange, for accounting
 
-    # ---- the Graph surface the layers use
-    edge_weight = None  # weights live in the plan matrices
+    # ------------------------------------------------------------------ factories
+    @classmethod
+    def from_graph(cls, graph: Graph, part: np.ndarray, rank: int, world: int, mode: str) -> DistGraph:
+        """Rank ``rank``'s view built from the whole graph and a partition vector."""
+        w = None if graph.edge_weight is None else graph.edge_weight.numpy()
+        plan = build_rank_plan(graph.indptr.numpy(), graph.indices.numpy(), w, part, mode, rank, world=world)
+        owned = torch.from_numpy(plan.owned.astype(np.int64))
+        data = {k: getattr(graph, k)[owned] for k in ("x", "y", *_MASKS) if getattr(graph, k) is not None}
+        deg = graph.in_degree()[owned].numpy().astype(np.float64)
+        if w is not None:
+            wsum = np.zeros(graph.num_nodes)
+            np.add.at(wsum, graph.dst_index().numpy(), w.astype(np.float64))
+            deg = wsum[plan.owned]
+        return cls(plan, deg, data, graph.fingerprint(), graph.name, graph.num_classes, global_size=(graph.num_nodes, graph.num_edges))
 
+    @classmethod
+    def from_part(cls, data: dict[str, Any], mode: str) -> DistGraph:
+        """Rank ``data['rank']``'s view from its own part file (``partition.load_part``) alone."""
+        meta = data.get("meta", {})
+        plan = plan_from_part(data, mode)
+        indptr = data["indptr"].astype(np.int64)
+        w = data.get("weight")
+        deg = np.diff(indptr).astype(np.float64)
+        if w is not None:
+            deg = np.bincount(_csr_rows(indptr), weights=w.astype(np.float64), minlength=indptr.size - 1)
+        node = {}
+        for key in ("x", "y", *_MASKS):
+            if key in data:
+                node[key] = torch.from_numpy(np.ascontiguousarray(data[key]))
+        if "x" in node:
+            node["x"] = node["x"].float()
+        if "y" in node:
+            node["y"] = node["y"].long()
+        size = (int(meta.get("num_nodes", data["num_nodes"])), int(meta.get("num_edges", 0)))
+        return cls(plan, deg, node, str(data["fingerprint"]), meta.get("name", "graph"), meta.get("num_classes"), global_size=size)
+
+    # ------------------------------------------------------------------ the Graph surface
     @property
     def num_rows(self) -> int:
         return self.num_nodes
@@ -90,6 +145,11 @@ class DistGraph:
     def num_features(self) -> int:
         return 0 if self.x is None else int(self.x.shape[1])
 
+    @property
+    def global_size(self) -> tuple[int, int]:
+        """(vertices, edges) of the whole graph."""
+        return self.global_num_nodes, self.global_num_edges
+
     def cached(self, key: object, make):
         """Memoise a derived structure on this rank's view."""
         if key not in self._cache:
@@ -98,21 +158,53 @@ class DistGraph:
 
     def fingerprint(self) -> str:
         """The global graph's fingerprint."""
-        return self.graph.fingerprint()
+        return self._fingerprint
 
     def in_degree(self) -> torch.Tensor:
         """Global in-degree of each owned vertex (local and remote in-edges)."""
         return self._in_degree
 
-    def gcn_norm(self, add_self_loops: bool = True, improved: bool = False) -> DistGraph:
-        """The same partition of the globally normalised graph."""
-        return DistGraph(self.graph.gcn_norm(add_self_loops, improved), self.part, self.rank, self.world, self.mode)
+    def require(self, *names: str) -> None:
+        """Raise :class:`GraphError` unless each named node field is present on this rank."""
+        for nm in names:
+            if getattr(self, nm, None) is None:
+                raise GraphError(f"partition of {self.name!r} has no {nm}; this task needs it")
 
     def add_self_loops(self, fill_value: float = 1.0) -> DistGraph:
-        """The same partition of the graph with self loops."""
-        return DistGraph(self.graph.add_self_loops(fill_value), self.part, self.rank, self.world, self.mode)
+        """Every owned vertex gets exactly one self loop (as :meth:`Graph.add_self_loops`)."""
+        indptr, cols, w = self.plan.A.indptr, self.plan.A.indices, self.plan.A.weight
+        rows = _csr_rows(indptr)
+        loop = rows == cols
+        n = self.num_nodes
+        loop_w = np.full(n, float(fill_value), dtype=np.float64)
+        old_loop_w = np.bincount(rows[loop], weights=None if w is None else w[loop], minlength=n)
+        if w is not None:
+            loop_w[rows[loop]] = w[loop]
+        keep = ~loop
+        r = np.concatenate([rows[keep], np.arange(n)])
+        c = np.concatenate([cols[keep], np.arange(n)])
+        weighted = w is not None or fill_value != 1.0
+        vals = None
+        if weighted:
+            base = w[keep].astype(np.float64) if w is not None else np.ones(int(keep.sum()))
+            vals = np.concatenate([base, loop_w])
+        order = np.lexsort((c, r))
+        new_indptr = np.concatenate([[0], np.cumsum(np.bincount(r, minlength=n))]).astype(np.int64)
+        A = type(self.plan.A)(new_indptr, c[order], None if vals is None else vals[order].astype(np.float32))
+        loops_per_row = np.bincount(rows[loop], minlength=n)
+        deg = self.plan.in_degree_global - loops_per_row + 1
+        plan = replace(self.plan, A=A, in_degree_global=deg)
+        in_weight = self._in_weight - (old_loop_w if w is not None else loops_per_row) + loop_w
+        return DistGraph(plan, in_weight, self.node_data, self._fingerprint, self.name, self.num_classes, global_size=self.global_size)
 
-    # ---- communication
+    def gcn_norm(self, add_self_loops: bool = True, improved: bool = False) -> DistGraph:
+        """The view with GCN's symmetric normalisation, as row/column scales by ``D^-1/2``."""
+        g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
+        dis = np.where(g._in_weight > 0, 1.0 / np.sqrt(np.maximum(g._in_weight, 1e-300)), 0.0)
+        scale = torch.from_numpy(dis.astype(np.float32))
+        return DistGraph(g.plan, g._in_weight, g.node_data, g._fingerprint, g.name, g.num_classes, scale, self.global_size)
+
+    # ------------------------------------------------------------------ communication
     def exchange(self, out: torch.Tensor, inp: torch.Tensor, forward: bool):
         """Start the all-to-all of ``inp`` into ``out`` (reverse splits when not ``forward``)."""
         send, recv = (self.send_counts, self.recv_counts) if forward else (self.recv_counts, self.send_counts)
@@ -128,8 +220,13 @@ class DistGraph:
             raise ConfigError("edge-weighted aggregation (GAT attention) is single-process only for now; run GAT without --nprocs")
         if x.shape[0] != self.num_nodes:
             raise ValueError(f"x has {x.shape[0]} rows but rank {self.rank} owns {self.num_nodes} vertices")
+        shape = (-1, *([1] * (x.dim() - 1)))
+        if self.scale is not None:
+            x = x * self.scale.to(x.dtype).view(shape)
         out = _HaloAggregate.apply(x, self, backend)
+        if self.scale is not None:
+            out = out * self.scale.to(out.dtype).view(shape)
         if reduce == "mean":
             d = self._in_degree.to(out.dtype)
-            out = out * torch.where(d > 0, 1.0 / d.clamp(min=1), torch.zeros_like(d)).view(-1, *([1] * (out.dim() - 1)))
+            out = out * torch.where(d > 0, 1.0 / d.clamp(min=1), torch.zeros_like(d)).view(shape)
         return out

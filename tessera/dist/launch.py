@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -37,14 +38,27 @@ def _describe(code: int) -> str:
 PEER_FAILED = 3  # a worker that failed only because a peer did (see tessera.cli)
 
 
+def _error_line(log) -> str | None:
+    log.seek(0)
+    lines = [s for s in log.read().splitlines() if s.startswith("tessera: error")]
+    return lines[-1] if lines else None
+
+
 def launch(argv: Sequence[str], nprocs: int, poll_s: float = 0.05, grace_s: float = 2.0) -> int:
     """Run ``python -m tessera <argv>`` as ``nprocs`` ranks over gloo/NCCL on 127.0.0.1; returns 0
     when every rank succeeds, else raises :class:`TesseraError` naming the first rank that failed."""
     port = free_port()
     procs: list[subprocess.Popen] = []
+    # Each worker gets its share of the cores unless the user chose (as torchrun does).
+    share = str(max(1, (os.cpu_count() or 1) // nprocs))
+    threads = {k: os.environ.get(k, share) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    # Rank 0 keeps the terminal (progress bar, messages); the others write to files the
+    # launcher reads only to name a failure, so a shared error is printed once, not N times.
+    logs = [None] + [tempfile.TemporaryFile(mode="w+") for _ in range(1, nprocs)]
     for rank in range(nprocs):
         env = {
             **os.environ,
+            **threads,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
@@ -53,7 +67,7 @@ def launch(argv: Sequence[str], nprocs: int, poll_s: float = 0.05, grace_s: floa
             "LOCAL_WORLD_SIZE": str(nprocs),
             "TESSERA_LAUNCHER_PID": str(os.getpid()),
         }
-        procs.append(subprocess.Popen([sys.executable, "-m", "tessera", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tessera", *argv], env=env, stderr=logs[rank]))
     failed: tuple[int, int] | None = None
     try:
         while True:
@@ -69,6 +83,8 @@ def launch(argv: Sequence[str], nprocs: int, poll_s: float = 0.05, grace_s: floa
                 failed = next(((r, c) for r, c in bad if c != PEER_FAILED), bad[0])
                 break
             if all(c == 0 for c in codes):
+                for log in logs[1:]:
+                    log.close()
                 return 0
             time.sleep(poll_s)
     finally:
@@ -78,6 +94,15 @@ def launch(argv: Sequence[str], nprocs: int, poll_s: float = 0.05, grace_s: floa
         for p in procs:
             p.wait()
     rank, code = failed
+    codes = {r: p.returncode for r, p in enumerate(procs)}
+    errors = {r: _error_line(logs[r]) for r in range(1, nprocs)}
+    for log in logs[1:]:
+        log.close()
+    if codes[0] == 2:  # rank 0 printed its own user error
+        return 2
+    if code == 2 and errors.get(rank):
+        print(errors[rank], file=sys.stderr)
+        return 2
     if code == PEER_FAILED:
         raise TesseraError(f"rank {rank} of {nprocs} lost a peer in a collective; the other ranks were stopped")
     if code == 2:  # a user error the worker already printed in one line
