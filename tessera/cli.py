@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--remote-agg", help="post | pre | prepost: how remote in-edges are aggregated (default prepost)")
     t.add_argument("--partition", help="metis | range | random (default metis)")
     t.add_argument(
+        "--comm-bits", type=int, help="bits per exchanged value: 32 | 8 | 4 | 2 (stochastic quantization; default 32)"
+    )
+    t.add_argument("--norm", help="none | layer: LayerNorm before each layer (default none)")
+    t.add_argument(
+        "--label-prop", type=float, help="share of training labels fed as input features each epoch (default 0)"
+    )
+    t.add_argument(
         "--parts-dir", help="train from a `tessera partition --out` directory: each rank reads only its part"
     )
     t.add_argument("--timeout", type=float, help="seconds a rank waits on its peers before failing (default 300)")
@@ -91,12 +98,31 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     res = train(cfg)
     if not res:  # a non-zero rank: rank 0 reports
         return 0
+    if "comm" in res:
+        print(format_comm_summary(res["comm"], res["world_size"], cfg.comm_bits))
     print(
         f"{cfg.model} on {res['dataset']}: test acc {res['test_acc']:.4f} | val acc {res['val_acc']:.4f} "
         f"(best epoch {res['best_epoch']}) | median epoch {res['epoch_time_median_s'] * 1e3:.2f} ms | "
         f"peak RSS {res['peak_rss_mb']:.0f} MiB"
     )
     return 0
+
+
+def format_comm_summary(c: dict, world: int, bits: int) -> str:
+    """The end-of-run table of bytes sent and time spent per layer and direction."""
+    lines = [
+        f"communication over {c['epochs']} training epochs, {world} ranks, {bits}-bit exchange:",
+        f"{'layer':>5} {'dir':>4} {'data MB':>10} {'params MB':>10} {'exchange s':>11} {'quantize s':>11} {'compute s':>10}",
+    ]
+    for layer, row in enumerate(c["bytes_data"]):
+        for d, name in enumerate(("fwd", "bwd")):
+            lines.append(
+                f"{layer:>5} {name:>4} {row[d] / 1e6:>10.3f} {c['bytes_params'][layer][d] / 1e6:>10.3f} "
+                f"{c['exchange_s'][layer][d]:>11.3f} {c['quantize_s'][layer][d]:>11.3f} {c['compute_s'][layer][d]:>10.3f}"
+            )
+    total = sum(map(sum, c["bytes_data"])) + sum(map(sum, c["bytes_params"]))
+    lines.append(f"total {total / 1e6:.3f} MB sent (times: slowest rank, summed over epochs)")
+    return "\n".join(lines)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:

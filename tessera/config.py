@@ -45,6 +45,9 @@ class TrainConfig:
     partition: str = "metis"
     parts_dir: str | None = None
     timeout: float = 300.0
+    comm_bits: int = 32
+    norm: str = "none"
+    label_prop: float = 0.0
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for out-of-range values; returns self."""
@@ -73,6 +76,9 @@ class TrainConfig:
                 f"--partition must be metis, range or random, got {self.partition!r}",
             ),
             (self.timeout > 0, f"--timeout must be positive seconds, got {self.timeout}"),
+            (self.comm_bits in (32, 8, 4, 2), f"--comm-bits must be 32, 8, 4 or 2, got {self.comm_bits}"),
+            (self.norm in ("none", "layer"), f"--norm must be none or layer, got {self.norm!r}"),
+            (0.0 <= self.label_prop < 1.0, f"--label-prop must be in [0, 1), got {self.label_prop}"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -105,7 +105,17 @@ class Trainer:
             cfg.dropout,
             heads=cfg.heads,
             backend=cfg.backend,
+            norm=cfg.norm,
+            label_classes=graph.num_classes if cfg.label_prop > 0 else 0,
         )
+        self.log = None
+        if hasattr(graph, "configure_comm"):
+            from tessera.dist.accounting import CommLog
+
+            self.log = CommLog(self.comm.rank, self.comm.world)
+            graph.configure_comm(cfg.comm_bits, self.log)
+        self.global_ids = graph.owned if hasattr(graph, "owned") else torch.arange(graph.num_nodes)
+        self.comm_totals: dict[str, Any] = {}
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
         self.epoch = 0
@@ -132,11 +142,21 @@ class Trainer:
         """Forward over all vertices, loss on the train split, backward, Adam step; returns the loss."""
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
-        logits = self.model(self.x, self.graph)
-        tr = self.idx["train"]
+        tr, rows, n_loss = self.idx["train"], None, self.counts["train"]
+        if self.cfg.label_prop > 0:
+            # Masked label propagation: a random share of training labels become input features
+            # and only the other training vertices enter the loss. The draw is over global vertex
+            # ids, so it does not depend on how the graph is partitioned.
+            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.epoch)
+            chosen = torch.rand(self.info[1], generator=gen)[self.global_ids[tr]] < self.cfg.label_prop
+            rows, tr = tr[chosen], tr[~chosen]
+            n_loss = int(self.comm.all_reduce_sum(torch.tensor([tr.numel()]))[0])
+        if self.log is not None:
+            self.log.start_forward("train")
+        logits = self.model(self.x, self.graph, rows, None if rows is None else self.y[rows])
         # The sum over this rank's training vertices divided by the global count: summed over ranks
         # it is exactly the single-process mean loss, and so are the all-reduced gradients.
-        loss = F.cross_entropy(logits[tr], self.y[tr], reduction="sum") / self.counts["train"]
+        loss = F.cross_entropy(logits[tr], self.y[tr], reduction="sum") / max(n_loss, 1)
         loss.backward()
         if self.comm.world > 1:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -152,7 +172,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Accuracy on each split and the validation loss, in eval mode (no dropout), over all ranks."""
         self.model.eval()
-        logits = self.model(self.x, self.graph)
+        if self.log is not None:
+            self.log.start_forward("eval")
+        rows = self.idx["train"] if self.cfg.label_prop > 0 else None  # evaluation sees every training label
+        logits = self.model(self.x, self.graph, rows, None if rows is None else self.y[rows])
         pred = logits.argmax(1)
         sums = [(pred[i] == self.y[i]).sum().to(torch.float64) for i in self.idx.values()]
         vi = self.idx["val"]
@@ -238,6 +261,9 @@ class Trainer:
                 self.epoch += 1
                 ev = self.evaluate()
                 rec = {"epoch": self.epoch, "train_loss": loss, **ev, "epoch_time_s": step}
+                if self.log is not None:
+                    rec["comm"] = self.log.gather(self.comm)
+                    self._add_comm(rec["comm"])
                 self.history.append(rec)
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
@@ -270,6 +296,17 @@ class Trainer:
             metrics.close()
         return self._finish(stopped)
 
+    def _add_comm(self, epoch_comm: dict[str, Any]) -> None:
+        """Accumulate one epoch's bytes (per layer and direction) and bottleneck-rank times."""
+        t = self.comm_totals
+        for kind in ("bytes_data", "bytes_params"):
+            per = torch.tensor(epoch_comm[kind]).sum(dim=(2, 3))  # layer x direction
+            t[kind] = (torch.tensor(t[kind]) + per).tolist() if kind in t else per.tolist()
+        for name in ("exchange_s", "quantize_s", "compute_s"):
+            per = torch.tensor(epoch_comm[name]).amax(dim=2)  # slowest rank per layer x direction
+            t[name] = (torch.tensor(t[name]) + per).tolist() if name in t else per.tolist()
+        t["epochs"] = t.get("epochs", 0) + 1
+
     def _finish(self, stopped: bool) -> dict[str, Any]:
         if self.best["state"] is not None:
             self.model.load_state_dict(self.best["state"])
@@ -293,6 +330,8 @@ class Trainer:
         if not self.is_main:
             return {}
         result["world_size"] = self.comm.world
+        if self.comm_totals:
+            result["comm"] = self.comm_totals
         write_json(self.out / RESULT, result)
         if self.cfg.plot:
             from tessera.plot import plot_curves

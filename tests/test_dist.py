@@ -263,3 +263,72 @@ def test_partition_command_reports_cut_balance_and_halo(capsys):
     out = capsys.readouterr().out
     for needle in ("edge cut", "vertices", "train", "halo", "prepost"):
         assert needle in out
+
+
+def _tagged_pids(tag):
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = dict(e.split(b"=", 1) for e in (d / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if env.get(b"TESSERA_TEST_TAG") == tag.encode() and b"RANK" in env and b"TORCHELASTIC_RESTART_COUNT" in env:
+            found[(int(env[b"RANK"]), int(env[b"TORCHELASTIC_RESTART_COUNT"]))] = int(d.name)
+    return found
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
+    epochs = 150
+    args = [
+        "train",
+        "--dataset",
+        "synthetic:small",
+        "--epochs",
+        str(epochs),
+        "--patience",
+        "0",
+        "--checkpoint-every",
+        "1",
+        "--no-progress",
+    ]
+    ref = _tessera(*args, "--nprocs", "2", "--out", str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr
+    tag = f"restart-{os.getpid()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TESSERA_TEST_TAG": tag}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "tessera",
+            *args,
+            "--out",
+            str(out),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+    pids = _tagged_pids(tag)
+    assert (1, 0) in pids, pids
+    os.kill(pids[(1, 0)], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    lines = [json.loads(s) for s in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == list(range(1, epochs + 1))
+    want = [json.loads(s)["train_loss"] for s in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train_loss"] for r in lines] == pytest.approx(want, rel=1e-6)

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tessera.dist.accounting import BACKWARD, FORWARD, CommLog, Timer
 from tessera.dist.plan import RankPlan, build_rank_plan, plan_from_part
+from tessera.dist.wire import row_bytes
 from tessera.errors import ConfigError, GraphError
 from tessera.graph import Graph
 from tessera.ops.registry import get_backend
@@ -33,26 +35,29 @@ class _HaloAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, dg: DistGraph, backend: str):
         be = get_backend(backend)
-        ctx.dg, ctx.be = dg, be
-        send = be.spmm(dg.S, h, dg.S.weight)
-        recv = h.new_empty((dg.R.num_cols, *h.shape[1:]))
-        work = dg.exchange(recv, send, forward=True)
-        out = be.spmm(dg.A, h, dg.A.weight)
-        if work is not None:
-            work.wait()
-        return out + be.spmm(dg.R, recv, dg.R.weight)
+        layer = dg.log.next_layer() if dg.log is not None else 0
+        ctx.dg, ctx.be, ctx.layer = dg, be, layer
+        with Timer(dg.log, layer, FORWARD, "compute_s"):
+            send = be.spmm(dg.S, h, dg.S.weight)
+        pending = dg.exchange(send, dg.R.num_cols, FORWARD, layer)
+        with Timer(dg.log, layer, FORWARD, "compute_s"):
+            out = be.spmm(dg.A, h, dg.A.weight)
+        recv = dg.finish(pending, layer, FORWARD)
+        with Timer(dg.log, layer, FORWARD, "compute_s"):
+            return out + be.spmm(dg.R, recv, dg.R.weight)
 
     @staticmethod
     def backward(ctx, g):
-        dg, be = ctx.dg, ctx.be
+        dg, be, layer = ctx.dg, ctx.be, ctx.layer
         g = g.contiguous()
-        g_recv = be.spmm_t(dg.R, g, dg.R.weight)
-        g_send = g.new_empty((dg.S.num_rows, *g.shape[1:]))
-        work = dg.exchange(g_send, g_recv, forward=False)
-        gh = be.spmm_t(dg.A, g, dg.A.weight)
-        if work is not None:
-            work.wait()
-        return gh + be.spmm_t(dg.S, g_send, dg.S.weight), None, None
+        with Timer(dg.log, layer, BACKWARD, "compute_s"):
+            g_recv = be.spmm_t(dg.R, g, dg.R.weight)
+        pending = dg.exchange(g_recv, dg.S.num_rows, BACKWARD, layer)
+        with Timer(dg.log, layer, BACKWARD, "compute_s"):
+            gh = be.spmm_t(dg.A, g, dg.A.weight)
+        g_send = dg.finish(pending, layer, BACKWARD)
+        with Timer(dg.log, layer, BACKWARD, "compute_s"):
+            return gh + be.spmm_t(dg.S, g_send, dg.S.weight), None, None
 
 
 def _csr_rows(indptr: np.ndarray) -> np.ndarray:
@@ -92,9 +97,10 @@ class DistGraph:
             setattr(self, key, node_data.get(key))
         self._fingerprint, self.name, self.num_classes = fingerprint, name, num_classes
         self.scale = scale  # GCN's dis, applied to the input and the output rows
+        self.bits = 32  # --comm-bits of the exchange
+        self.log: CommLog | None = None
         self.global_num_nodes, self.global_num_edges = global_size
         self._cache: dict = {}
-        self.sent_rows: list[int] = []  # rows sent per exchange, for accounting
 
     # ------------------------------------------------------------------ factories
     @classmethod
@@ -195,24 +201,62 @@ class DistGraph:
         deg = self.plan.in_degree_global - loops_per_row + 1
         plan = replace(self.plan, A=A, in_degree_global=deg)
         in_weight = self._in_weight - (old_loop_w if w is not None else loops_per_row) + loop_w
-        return DistGraph(plan, in_weight, self.node_data, self._fingerprint, self.name, self.num_classes, global_size=self.global_size)
+        return self._derive(DistGraph(plan, in_weight, self.node_data, self._fingerprint, self.name, self.num_classes, global_size=self.global_size))
 
     def gcn_norm(self, add_self_loops: bool = True, improved: bool = False) -> DistGraph:
         """The view with GCN's symmetric normalisation, as row/column scales by ``D^-1/2``."""
         g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
         dis = np.where(g._in_weight > 0, 1.0 / np.sqrt(np.maximum(g._in_weight, 1e-300)), 0.0)
         scale = torch.from_numpy(dis.astype(np.float32))
-        return DistGraph(g.plan, g._in_weight, g.node_data, g._fingerprint, g.name, g.num_classes, scale, self.global_size)
+        return self._derive(DistGraph(g.plan, g._in_weight, g.node_data, g._fingerprint, g.name, g.num_classes, scale, self.global_size))
+
+    def _derive(self, view: DistGraph) -> DistGraph:
+        view.bits, view.log = self.bits, self.log
+        return view
+
+    def configure_comm(self, bits: int, log: CommLog | None) -> DistGraph:
+        """Set the exchange's bit width and the log that counts its bytes; returns self."""
+        row_bytes(1, bits)  # validates bits
+        self.bits, self.log = bits, log
+        return self
 
     # ------------------------------------------------------------------ communication
-    def exchange(self, out: torch.Tensor, inp: torch.Tensor, forward: bool):
-        """Start the all-to-all of ``inp`` into ``out`` (reverse splits when not ``forward``)."""
-        send, recv = (self.send_counts, self.recv_counts) if forward else (self.recv_counts, self.send_counts)
-        self.sent_rows.append(sum(send))
-        if self.world == 1:
-            out.copy_(inp)
-            return None
-        return dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=recv, input_split_sizes=send, async_op=True)
+    def exchange(self, inp: torch.Tensor, out_rows: int, direction: int, layer: int):
+        """Start sending ``inp``'s rows (forward splits, or reversed for backward): quantized to
+        ``bits`` when below 32, counted in the log. Returns a handle for :meth:`finish`."""
+        send, recv = (self.send_counts, self.recv_counts) if direction == FORWARD else (self.recv_counts, self.send_counts)
+        width = int(inp.shape[1]) if inp.dim() > 1 else 1
+        if self.log is not None:
+            self.log.record(layer, direction, send, width, self.bits)
+        if self.bits == 32:
+            payload, out = inp.contiguous(), inp.new_empty((out_rows, *inp.shape[1:]))
+        else:
+            from tessera.dist.quantize import encode
+
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+            with Timer(self.log, layer, direction, "quantize_s"):
+                payload = encode(inp.reshape(inp.shape[0], -1).float(), self.bits, seed)
+            out = torch.empty((out_rows, payload.shape[1]), dtype=torch.uint8)
+        with Timer(self.log, layer, direction, "exchange_s"):
+            if self.world == 1:
+                out.copy_(payload)
+                work = None
+            else:
+                work = dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=send, async_op=True)
+        return work, out, width, inp.dtype
+
+    def finish(self, pending, layer: int, direction: int) -> torch.Tensor:
+        """Wait for :meth:`exchange` and return the received rows as floats."""
+        work, out, width, dtype = pending
+        with Timer(self.log, layer, direction, "exchange_s"):
+            if work is not None:
+                work.wait()
+        if self.bits == 32:
+            return out
+        from tessera.dist.quantize import decode
+
+        with Timer(self.log, layer, direction, "quantize_s"):
+            return decode(out, width, self.bits).to(dtype)
 
     def distributed_aggregate(self, x: torch.Tensor, reduce: str, weight: torch.Tensor | None, backend: str) -> torch.Tensor:
         """``ops.aggregate`` on this rank: local product plus the halo exchange."""

@@ -15,22 +15,50 @@ MODELS = ("gcn", "sage", "gin", "gat")
 
 
 class GNN(nn.Module):
-    """``num_layers`` convolutions; dropout before each, ReLU (ELU for GAT) between them."""
+    """``num_layers`` convolutions; optional LayerNorm and dropout before each, ReLU (ELU for GAT)
+    between them; optionally a label embedding for masked label propagation (SuperGCN §2.5)."""
 
-    def __init__(self, convs: list[nn.Module], dropout: float, activation: str = "relu") -> None:
+    def __init__(
+        self,
+        convs: list[nn.Module],
+        dropout: float,
+        activation: str = "relu",
+        norms: list[nn.Module] | None = None,
+        label_classes: int = 0,
+    ) -> None:
         super().__init__()
         self.convs = nn.ModuleList(convs)
+        self.norms = nn.ModuleList(norms) if norms else None
         self.dropout = dropout
         self.act = F.elu if activation == "elu" else F.relu
+        in_dim = getattr(convs[0], "in_channels", None) or convs[0].nn[0].in_features
+        self.label_emb = nn.Embedding(label_classes, in_dim) if label_classes else None
+        if self.label_emb is not None:
+            nn.init.zeros_(self.label_emb.weight)
 
     def reset_parameters(self) -> None:
         """Re-initialise every layer."""
         for conv in self.convs:
             conv.reset_parameters()
+        for norm in self.norms or []:
+            norm.reset_parameters()
+        if self.label_emb is not None:
+            nn.init.zeros_(self.label_emb.weight)
 
-    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
-        """Logits for every vertex of ``graph`` from features ``x``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        graph: Graph,
+        label_rows: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for every vertex of ``graph`` from features ``x``; with label propagation the
+        embedded ``labels`` are added to the input features of ``label_rows``."""
+        if self.label_emb is not None and label_rows is not None and label_rows.numel():
+            x = x.index_add(0, label_rows, self.label_emb(labels))
         for i, conv in enumerate(self.convs):
+            if self.norms is not None:
+                x = self.norms[i](x)
             x = ops.dropout(x, self.dropout, self.training)
             x = conv(x, graph)
             if i < len(self.convs) - 1:
@@ -54,11 +82,14 @@ def build_model(
     attn_dropout: float | None = None,
     train_eps: bool = False,
     backend: str = "auto",
+    norm: str = "none",
+    label_classes: int = 0,
 ) -> GNN:
     """A ``num_layers``-deep GCN, SAGE, GIN or GAT mapping ``in_dim`` features to ``out_dim`` logits.
 
     For GAT, ``hidden`` is the concatenated width (``heads`` heads of ``hidden // heads``) and the
-    output layer has one head; ``attn_dropout`` defaults to ``dropout``."""
+    output layer has one head; ``attn_dropout`` defaults to ``dropout``. ``norm="layer"`` puts a
+    LayerNorm before each layer; ``label_classes > 0`` adds a label embedding for label propagation."""
     name = name.lower()
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
@@ -90,4 +121,19 @@ def build_model(
                     backend=backend,
                 )
             )
-    return GNN(convs, dropout, activation="elu" if name == "gat" else "relu")
+    if norm not in ("none", "layer"):
+        raise ConfigError(f"unknown norm {norm!r}; choose none or layer")
+    norms = [nn.LayerNorm(d) for d in dims[:-1]] if norm == "layer" else None
+    return GNN(convs, dropout, activation="elu" if name == "gat" else "relu", norms=norms, label_classes=label_classes)
+
+
+def exchange_widths(name: str, in_dim: int, hidden: int, out_dim: int, num_layers: int = 2) -> list[int]:
+    """Width of the features each layer aggregates (and so exchanges between ranks): GCN and SAGE
+    aggregate the narrower side of their linear map (``linear_then_aggregate``), GIN its input."""
+    dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
+    name = name.lower()
+    if name == "gin":
+        return dims[:-1]
+    if name in ("gcn", "sage"):
+        return [b if b <= a else a for a, b in zip(dims[:-1], dims[1:])]
+    raise ConfigError(f"exchange widths are defined for gcn, sage and gin, not {name!r}")

@@ -1,0 +1,230 @@
+"""Bytes a partition-parallel training epoch moves between P ranks, from the partition alone.
+
+Per layer and direction rank ``p`` sends rank ``q`` ``rows[p, q]`` rows of the layer's exchange
+width (the runtime's ``RankPlan.send_counts``; SuperGCN §5.2–5.3), each costing
+``tessera.dist.wire.row_bytes(width, bits)`` data and parameter bytes. Backward sends the same rows
+the other way: pair ``(q, p)`` carries ``rows[p, q]``. A training epoch is the forward and backward
+exchange of every layer, except that layer 0 has no backward exchange when its aggregated input
+needs no gradient (autograd skips it: raw features aggregated before the linear map, no LayerNorm,
+no label embedding). Evaluation forwards exchange the forward volumes again; they are reported
+apart (``eval_forward_bytes``), as the runtime's log counts training passes only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.sparse.csgraph import maximum_bipartite_matching
+
+from tessera.dist.plan import MODES
+from tessera.dist.wire import COMM_BITS, row_bytes
+from tessera.errors import ConfigError
+from tessera.graph import Graph
+from tessera.graph.partition import partition
+from tessera.nn.models import exchange_widths
+
+DIRECTIONS = ("forward", "backward")
+
+
+# ---------------------------------------------------------------------------------------- rows
+def pair_rows(
+    indptr: np.ndarray, indices: np.ndarray, part: np.ndarray, world: int, modes=MODES
+) -> dict[str, np.ndarray]:
+    """Rows each rank ``p`` sends each rank ``q`` per exchange, a ``(world, world)`` int64 matrix
+    per mode: distinct cut sources (post), distinct cut destinations (pre), or the pair's minimum
+    vertex cover (prepost), whose size is the pair's maximum matching (König); the matchings of all
+    pairs come from one Hopcroft–Karp run on their disjoint union instead of P² cover calls."""
+    for m in modes:
+        if m not in MODES:
+            raise ConfigError(f"unknown aggregation mode {m!r}; choose from {', '.join(MODES)}")
+    indptr = np.asarray(indptr).astype(np.int64, copy=False)
+    indices = np.asarray(indices).astype(np.int64, copy=False)
+    part = np.asarray(part).astype(np.int64, copy=False)
+    n = max(indptr.size - 1, 1)
+    dst = np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
+    ps, pd = part[indices], part[dst]
+    cut = ps != pd
+    pair = ps[cut] * world + pd[cut]
+    keys_u, u = np.unique(pair * n + indices[cut], return_inverse=True)  # (pair, source) vertices
+    keys_v, v = np.unique(pair * n + dst[cut], return_inverse=True)  # (pair, destination) vertices
+    out: dict[str, np.ndarray] = {}
+    for m in modes:
+        if m == "post":
+            counted = keys_u // n
+        elif m == "pre":
+            counted = keys_v // n
+        elif keys_u.size:
+            b = sp.csr_matrix((np.ones(u.size, dtype=np.int8), (u, v)), shape=(keys_u.size, keys_v.size))
+            b.sum_duplicates()
+            counted = keys_u[maximum_bipartite_matching(b, perm_type="column") >= 0] // n
+        else:
+            counted = keys_u
+        out[m] = np.bincount(counted, minlength=world * world).reshape(world, world).astype(np.int64)
+    return out
+
+
+def exchange_layers(
+    model: str, in_dim: int, hidden: int, out_dim: int, layers: int, norm: str = "none", label_prop: float = 0.0
+) -> list[tuple[int, bool]]:
+    """``(width, has_backward)`` per layer: layer 0 exchanges gradients only when its aggregated
+    input needs one (LayerNorm or label embedding before it, or GCN/SAGE transforming first)."""
+    if norm not in ("none", "layer"):
+        raise ConfigError(f"--norm must be none or layer, got {norm!r}")
+    if layers < 1 or hidden < 1 or in_dim < 1 or out_dim < 1:
+        raise ConfigError(
+            f"layers, hidden, input and output widths must be positive, got {layers}, {hidden}, {in_dim}, {out_dim}"
+        )
+    widths = exchange_widths(model, in_dim, hidden, out_dim, layers)
+    first_out = hidden if layers > 1 else out_dim
+    first_grad = norm == "layer" or label_prop > 0 or (model.lower() in ("gcn", "sage") and first_out <= in_dim)
+    return [(w, i > 0 or first_grad) for i, w in enumerate(widths)]
+
+
+# ---------------------------------------------------------------------------------------- bytes
+def _direction(rows: np.ndarray, width: int, bits: int) -> dict[str, Any]:
+    """Totals of one exchange whose sender x receiver row matrix is ``rows``."""
+    data, params = row_bytes(width, bits)
+    sent = rows.sum(axis=1)
+    r = int(np.argmax(sent)) if sent.size else 0
+    total = int(sent.sum())
+    return {
+        "rows": total,
+        "data_bytes": total * data,
+        "param_bytes": total * params,
+        "bytes": total * (data + params),
+        "max_rank_bytes": int(sent[r]) * (data + params) if sent.size else 0,
+        "max_rank": r,
+        "active_pairs": int(np.count_nonzero(rows)),
+    }
+
+
+def _bits_summary(rows: np.ndarray, plan: list[tuple[int, bool]], bits: int) -> dict[str, Any]:
+    """Per layer and direction, and per epoch, bytes of one mode at ``bits``."""
+    per_rank = np.zeros(rows.shape[0], dtype=np.int64)
+    layers, eval_fwd = [], 0
+    for i, (width, back) in enumerate(plan):
+        per_row = sum(row_bytes(width, bits))
+        fwd = _direction(rows, width, bits)
+        bwd = _direction(rows.T, width, bits) if back else None
+        per_rank += rows.sum(axis=1) * per_row + (rows.sum(axis=0) * per_row if back else 0)
+        eval_fwd += fwd["bytes"]
+        layers.append({"layer": i, "width": width, "forward": fwd, "backward": bwd})
+    exchanges = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
+    epoch = {k: sum(d[k] for d in exchanges) for k in ("rows", "data_bytes", "param_bytes", "bytes")}
+    epoch["max_rank_bytes"] = int(per_rank.max()) if per_rank.size else 0
+    epoch["max_rank"] = int(np.argmax(per_rank)) if per_rank.size else 0
+    epoch["eval_forward_bytes"] = eval_fwd
+    return {"layers": layers, "epoch": epoch}
+
+
+def summarize(rows: dict[str, np.ndarray], plan: list[tuple[int, bool]], bits=(32, 2)) -> dict[str, dict[str, Any]]:
+    """Per mode: rows per exchange (total, busiest sender, active pairs) and bytes per bit width."""
+    for b in bits:
+        if b not in COMM_BITS:
+            raise ConfigError(f"comm bits must be among {', '.join(map(str, COMM_BITS))}, got {b}")
+    out = {}
+    for mode, r in rows.items():
+        sent = r.sum(axis=1)
+        out[mode] = {
+            "rows_total": int(r.sum()),
+            "rows_max_rank": int(sent.max()) if sent.size else 0,
+            "active_pairs": int(np.count_nonzero(r)),
+            "bits": {b: _bits_summary(r, plan, b) for b in bits},
+        }
+    return out
+
+
+def simulate_volumes(
+    graph: Graph,
+    parts: int,
+    model: str = "gcn",
+    hidden: int = 256,
+    layers: int = 2,
+    modes=("pre", "post", "prepost"),
+    bits=(32, 2),
+    method: str = "metis",
+    seed: int = 0,
+    norm: str = "none",
+    label_prop: float = 0.0,
+    out_dim: int | None = None,
+) -> dict[str, Any]:
+    """Bytes per layer, direction, mode and bit width for ``parts`` ranks, without starting any:
+    totals, data vs parameter bytes and the busiest sender. Keys starting with ``_`` hold the row
+    matrices (for :func:`pair_detail` and :func:`runtime_bytes`) and are not JSON."""
+    out_dim = out_dim if out_dim is not None else graph.num_classes
+    if out_dim is None:
+        raise ConfigError("the graph has no labels; pass the output width (--out-dim)")
+    plan = exchange_layers(model, graph.num_features, hidden, int(out_dim), layers, norm, label_prop)
+    t0 = time.perf_counter()
+    part = partition(graph, parts, method, seed)
+    t1 = time.perf_counter()
+    rows = pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part, int(parts), tuple(modes))
+    t2 = time.perf_counter()
+    summary = summarize(rows, plan, tuple(bits))
+    t3 = time.perf_counter()
+    owned = np.bincount(part, minlength=int(parts)).astype(np.int64)
+    dst_part = np.repeat(part, np.diff(graph.indptr.numpy()))
+    return {
+        "dataset": graph.name,
+        "vertices": int(graph.num_nodes),
+        "edges": int(graph.num_edges),
+        "parts": int(parts),
+        "model": model,
+        "hidden": hidden,
+        "layers": layers,
+        "in_dim": int(graph.num_features),
+        "out_dim": int(out_dim),
+        "norm": norm,
+        "label_prop": label_prop,
+        "method": method,
+        "seed": seed,
+        "widths": [w for w, _ in plan],
+        "backward": [b for _, b in plan],
+        "layer_inputs": [int(graph.num_features)] + [hidden] * (layers - 1),
+        "cut_edges": int(np.count_nonzero(part[graph.indices.numpy()] != dst_part)),
+        "owned_max": int(owned.max()),
+        "modes": summary,
+        "timing_s": {"partition": t1 - t0, "rows": t2 - t1, "bytes": t3 - t2},
+        "_rows": rows,
+        "_owned": owned,
+    }
+
+
+# ---------------------------------------------------------------------------------------- per pair
+def _layer_rows(vol: dict[str, Any], mode: str, layer: int, direction: str) -> np.ndarray | None:
+    """Sender x receiver rows of one exchange (None where the layer has no backward exchange)."""
+    if direction not in DIRECTIONS:
+        raise ConfigError(f"direction must be forward or backward, got {direction!r}")
+    rows = vol["_rows"][mode]
+    if direction == "forward":
+        return rows
+    return rows.T if vol["backward"][layer] else None
+
+
+def pair_detail(
+    vol: dict[str, Any], mode: str, bits: int, layer: int, direction: str = "forward"
+) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """``(rows, data bytes, parameter bytes)`` per ordered pair ``(src, dst)`` with traffic."""
+    rows = _layer_rows(vol, mode, layer, direction)
+    if rows is None:
+        return {}
+    data, params = row_bytes(vol["widths"][layer], bits)
+    src, dst = np.nonzero(rows)
+    return {(int(p), int(q)): (int(r), int(r) * data, int(r) * params) for p, q, r in zip(src, dst, rows[src, dst])}
+
+
+def runtime_bytes(vol: dict[str, Any], mode: str, bits: int) -> dict[str, list]:
+    """The runtime log's layout (``CommLog.gather``): ``bytes_data[layer][direction][src][dst]`` and
+    ``bytes_params``, direction 0 forward, 1 backward. Quadratic in P: for checks on small P."""
+    out: dict[str, list] = {"bytes_data": [], "bytes_params": []}
+    for layer, width in enumerate(vol["widths"]):
+        data, params = row_bytes(width, bits)
+        per_dir = [_layer_rows(vol, mode, layer, d) for d in DIRECTIONS]
+        zero = np.zeros_like(vol["_rows"][mode])
+        mats = [zero if r is None else r for r in per_dir]
+        out["bytes_data"].append([(m * data).tolist() for m in mats])
+        out["bytes_params"].append([(m * params).tolist() for m in mats])
+    return out

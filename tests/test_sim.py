@@ -1,0 +1,203 @@
+"""The simulator: its rows equal the plans', its bytes follow ``row_bytes``, its model behaves."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from tessera.datasets import load
+from tessera.dist.plan import build_plans, mode_rows
+from tessera.dist.wire import row_bytes
+from tessera.errors import ConfigError
+from tessera.graph.partition import partition
+from tessera.sim.command import add_parser, run
+from tessera.sim.model import CommModel, eq7_ratios, exchange_time, project
+from tessera.sim.volume import exchange_layers, pair_detail, pair_rows, runtime_bytes, simulate_volumes
+
+MODES = ("pre", "post", "prepost")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load("synthetic:small")
+
+
+def _csr(g):
+    return g.indptr.numpy(), g.indices.numpy()
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_rows_equal_plans_and_mode_rows(small, parts):
+    part = partition(small, parts, "metis", 0)
+    rows = pair_rows(*_csr(small), part, parts)
+    for mode in MODES:
+        ref = mode_rows(*_csr(small), part, mode, parts)
+        assert {k: int(rows[mode][k]) for k in ref} == ref
+        plans = build_plans(*_csr(small), None, part, mode, parts)
+        np.testing.assert_array_equal(np.stack([p.send_counts for p in plans]), rows[mode])
+    assert np.all(np.diag(rows["prepost"]) == 0)
+    assert np.all(rows["prepost"] <= np.minimum(rows["pre"], rows["post"]))
+    assert rows["prepost"].sum() < min(rows["pre"].sum(), rows["post"].sum())
+
+
+def test_rows_random_graph_and_partition():
+    rng = np.random.default_rng(3)
+    n, e, parts = 300, 2500, 5
+    dst = np.sort(rng.integers(0, n, e))
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=n))])
+    indices = rng.integers(0, n, e)  # duplicates and self loops included
+    part = rng.integers(0, parts, n)
+    rows = pair_rows(indptr, indices, part, parts)
+    for mode in MODES:
+        ref = mode_rows(indptr, indices, part, mode, parts)
+        assert {k: int(rows[mode][k]) for k in ref} == ref
+
+
+def test_no_cut_gives_zero_rows():
+    rows = pair_rows(np.array([0, 1, 2]), np.array([0, 1]), np.array([0, 1]), 2)
+    assert all(int(r.sum()) == 0 for r in rows.values())
+
+
+def test_bytes_are_rows_times_row_bytes(small):
+    vol = simulate_volumes(small, 3, "gcn", 256, 3, MODES, (32, 8, 4, 2))
+    assert vol["widths"] == [64, 256, 8] and vol["backward"] == [False, True, True]
+    for mode in MODES:
+        r = vol["_rows"][mode]
+        for bits, summary in vol["modes"][mode]["bits"].items():
+            epoch_bytes = 0
+            for la in summary["layers"]:
+                data, params = row_bytes(la["width"], bits)
+                fwd = pair_detail(vol, mode, bits, la["layer"], "forward")
+                assert fwd == {
+                    (p, q): (int(r[p, q]), int(r[p, q]) * data, int(r[p, q]) * params) for p, q in zip(*np.nonzero(r))
+                }
+                bwd = pair_detail(vol, mode, bits, la["layer"], "backward")
+                if la["backward"] is None:
+                    assert bwd == {}
+                else:  # backward pair (q, p) carries what p sent q forward
+                    assert bwd == {(q, p): v for (p, q), v in fwd.items()}
+                    assert la["backward"]["bytes"] == la["forward"]["bytes"]
+                f = la["forward"]
+                assert f["data_bytes"] == int(r.sum()) * data and f["param_bytes"] == int(r.sum()) * params
+                assert f["bytes"] == f["data_bytes"] + f["param_bytes"]
+                assert f["max_rank_bytes"] == int(r.sum(axis=1).max()) * (data + params)
+                epoch_bytes += f["bytes"] + (la["backward"]["bytes"] if la["backward"] else 0)
+            assert summary["epoch"]["bytes"] == epoch_bytes
+            rb = runtime_bytes(vol, mode, bits)
+            total = np.array(rb["bytes_data"]).sum() + np.array(rb["bytes_params"]).sum()
+            assert total == epoch_bytes
+
+
+def test_int2_ratio(small):
+    vol = simulate_volumes(small, 4, "gcn", 256, 3, ("prepost",), (32, 2))
+    b = vol["modes"]["prepost"]["bits"]
+    hidden = b[32]["layers"][1]["forward"]["bytes"] / b[2]["layers"][1]["forward"]["bytes"]
+    assert hidden == pytest.approx(1024 / (64 + 8)) and hidden >= 12  # params included
+    narrow = b[32]["layers"][2]["forward"]["bytes"] / b[2]["layers"][2]["forward"]["bytes"]
+    assert narrow == pytest.approx(32 / (2 + 8))  # 8 classes: the parameters dominate
+
+
+def test_first_layer_backward_rule():
+    assert exchange_layers("gcn", 128, 256, 40, 2) == [(128, False), (40, True)]
+    assert exchange_layers("gcn", 128, 64, 40, 2) == [(64, True), (40, True)]
+    assert exchange_layers("gcn", 128, 256, 40, 2, norm="layer")[0] == (128, True)
+    assert exchange_layers("gcn", 128, 256, 40, 2, label_prop=0.5)[0] == (128, True)
+    assert exchange_layers("gin", 16, 8, 4, 2) == [(16, False), (8, True)]
+    with pytest.raises(ConfigError):
+        exchange_layers("gat", 16, 8, 4, 2)
+
+
+# ---------------------------------------------------------------------------------------- model
+def _rows() -> np.ndarray:
+    return np.array([[0, 100_000, 0, 5_000], [40_000, 0, 40_000, 0], [0, 0, 0, 0], [1, 1, 1, 0]])
+
+
+def test_more_bandwidth_less_time():
+    times = [exchange_time(_rows(), 64, b, CommModel(bw, 5.0))["time_s"] for b in (32, 2) for bw in (1, 10, 100)]
+    assert times[0] > times[1] > times[2] and times[3] > times[4] > times[5]
+
+
+def test_latency_adds_per_active_pair():
+    rows = _rows()
+    for bits in (32, 2):
+        base = exchange_time(rows, 64, bits, CommModel(latency_us=0.0))
+        lat = exchange_time(rows, 64, bits, CommModel(latency_us=7.0))
+        assert lat["rank"] == base["rank"] == 0
+        assert lat["time_s"] - base["time_s"] == pytest.approx(2 * 7e-6)  # rank 0 talks to 2 peers
+        assert lat["comm_s"] > base["comm_s"]
+    assert exchange_time(np.zeros((3, 3), dtype=np.int64), 64, 32, CommModel())["time_s"] == 0
+
+
+def test_quantization_time_and_eq8():
+    rows = np.array([[0, 1000], [0, 0]])  # one pair: Eq. 6 reduces to Eq. 8
+    m = CommModel(12.5, 5.0, 1000.0)
+    fp32 = exchange_time(rows, 256, 32, m)
+    q = exchange_time(rows, 256, 2, m)
+    assert fp32["quant_s"] == 0 and q["quant_s"] == pytest.approx(2 * 1000 * (4 * 256 + 64) / 1e12)
+    assert fp32["time_s"] / q["time_s"] == pytest.approx(eq7_ratios(1000, 256, 2, m)["speedup"])
+    # slow quantization relative to the link makes Int2 lose (beta ~ 2 here)
+    slow = CommModel(12.5, 5.0, 25.0)
+    assert exchange_time(rows, 256, 2, slow)["time_s"] > exchange_time(rows, 256, 32, slow)["time_s"]
+
+
+def test_project_speedup_and_norm(small):
+    vol = simulate_volumes(small, 4, "gcn", 256, 2, MODES, (32, 2), norm="layer")
+    assert vol["backward"] == [True, True]
+    proj = project(vol, CommModel(quant_gbps=1000.0))
+    assert proj["post"][32]["speedup_vs_fp32_post"] == pytest.approx(1.0)
+    assert proj["prepost"][32]["speedup_vs_fp32_post"] > 1
+    assert proj["prepost"][2]["speedup_vs_fp32_post"] > proj["prepost"][32]["speedup_vs_fp32_post"]
+    assert proj["prepost"][32]["epoch"]["pre_quant_s"] > 0
+    with pytest.raises(ConfigError):
+        CommModel(bandwidth_gbps=0)
+
+
+# ---------------------------------------------------------------------------------------- command
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["simulate", *argv])
+
+
+def test_command_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "sim.png"
+    assert run(_args("--dataset", "synthetic:small", "--parts", "2,4", "--plot", str(png), "--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["parts"] for r in doc["runs"]] == [2, 4]
+    t5 = doc["runs"][0]["table5"]
+    assert t5["pre_over_prepost"] > 1 and t5["prepost_fp32_over_quant"] > 10
+    assert doc["runs"][0]["modes"]["prepost"]["bits"]["2"]["epoch"]["model"]["time_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc["plot"] == str(png)
+    assert not list(tmp_path.glob(".sim.png.*"))  # no temporary left behind
+
+
+def test_command_text(capsys):
+    assert (
+        run(_args("--dataset", "synthetic:small", "--parts", "3", "--remote-agg", "prepost", "--comm-bits", "32,4"))
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "Table-5-style" in out and "prepost + Int4 params" in out
+    assert "pre/prepost" not in out and "0.00x" not in out  # no ratio against a mode not simulated
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--parts", "2", "--comm-bits", "16"),
+        ("--parts", "x"),
+        ("--parts", "2", "--remote-agg", "mid"),
+        ("--parts", "0"),
+    ],
+)
+def test_command_user_errors(argv):
+    with pytest.raises(ConfigError):
+        run(_args("--dataset", "synthetic:small", *argv))
