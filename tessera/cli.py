@@ -81,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="metis", help="metis | range | random (default metis)")
     p.add_argument("--seed", type=int, default=0, help="seed for metis and random (default 0)")
     p.add_argument("--out", help="write one file set per part here, for training with --parts-dir")
+
+    from tessera.sim.command import add_parser as add_simulate
+
+    add_simulate(sub)
     return parser
 
 
@@ -178,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_train(args, argv)
         if args.command == "partition":
             return _cmd_partition(args)
+        if args.command == "simulate":
+            from tessera.sim.command import run as run_simulate
+
+            return run_simulate(args)
         return _cmd_info(args)
     except DistributedError as e:
         if os.environ.get("TESSERA_LAUNCHER_PID"):

@@ -3,11 +3,11 @@
 Each row gets its own zero point ``Z = min`` and scale ``S = (max - min) / (2**b - 1)`` (rounded
 up to a float32); a value becomes ``q = floor((x - Z) / S + u)``, clamped to ``[0, 2**b - 1]``,
 with ``u`` uniform in (0, 1) from a counter-based hash of (seed, row, column). The rounding is
-unbiased, ``E[q * S + Z] = x`` to within ``2**-17 * S``, the same for any thread count, and needs
-no state. Every worker encodes what it sends and decodes what it receives on its own
-(decentralised, §7.3 (1)). The kernel is fused (§7.3 (2)): one pass finds a row's min and max,
-the second quantizes and packs the row while it is still in cache, multiplying by a reciprocal
-instead of dividing (§7.3 (3)).
+unbiased, ``E[q * S + Z] = x`` up to 16-bit ``u`` and float32 arithmetic (under ``1e-4 * S``),
+the same for any thread count, and needs no state. Every worker encodes what it sends and
+decodes what it receives on its own (decentralised, §7.3 (1)). The kernel is fused (§7.3 (2)):
+one pass finds a row's min and max, the second quantizes and packs the row while it is still in
+cache, multiplying by a reciprocal instead of dividing (§7.3 (3)).
 
 Wire layout, one ``uint8`` record of ``sum(row_bytes(width, bits))`` bytes per row::
 
@@ -115,7 +115,9 @@ def _pack(row, out, bits, zero, inv, qmax, key):
     elif bits == 4:
         for k in range(n // 2):
             h = _pair_hash(k, key)
-            out[k] = np.uint8(_q(row[2 * k], h & _LO16, zero, inv, qmax) | (_q(row[2 * k + 1], h >> _HI16, zero, inv, qmax) << 4))
+            out[k] = np.uint8(
+                _q(row[2 * k], h & _LO16, zero, inv, qmax) | (_q(row[2 * k + 1], h >> _HI16, zero, inv, qmax) << 4)
+            )
     else:
         for k in range(n // 4):
             h0, h1 = _pair_hash(2 * k, key), _pair_hash(2 * k + 1, key)
@@ -160,7 +162,9 @@ def _encode(x, out, bits, ndata, seed_lo, seed_hi):
     xb = x.view(np.int32)
     for r in numba.prange(rows):
         row, keys, rec = x[r], xb[r], out[r]
-        key = _hash_u32(np.uint32(_hash_u32(np.uint32(r >> 32) ^ skey) + np.uint32(r & 0xFFFFFFFF) * np.uint32(0x9E3779B9)))
+        key = _hash_u32(
+            np.uint32(_hash_u32(np.uint32(r >> 32) ^ skey) + np.uint32(r & 0xFFFFFFFF) * np.uint32(0x9E3779B9))
+        )
         lo, hi = _ABS, ~_ABS
         for j in range(width):
             o = _order(keys[j])
@@ -227,7 +231,9 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dt
     if out is None:
         return torch.empty(shape, dtype=dtype)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be a contiguous CPU {dtype} tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+        )
     return out
 
 
@@ -249,7 +255,9 @@ def decode(buf: torch.Tensor, width: int, bits: int, out: torch.Tensor | None = 
     """The float32 (rows, width) values ``q * scale + zero`` of records made by :func:`encode`."""
     ndata, record = record_bytes(width, bits)
     if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.shape[1] != record or buf.device.type != "cpu":
-        raise ValueError(f"expected uint8 (rows, {record}) CPU records for width {width} at {bits} bits, got {buf.dtype} {tuple(buf.shape)}")
+        raise ValueError(
+            f"expected uint8 (rows, {record}) CPU records for width {width} at {bits} bits, got {buf.dtype} {tuple(buf.shape)}"
+        )
     buf = buf.contiguous()
     out = _check_out(out, (buf.shape[0], width), torch.float32)
     if buf.shape[0]:

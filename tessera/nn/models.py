@@ -54,7 +54,9 @@ class GNN(nn.Module):
     ) -> torch.Tensor:
         """Logits for every vertex of ``graph`` from features ``x``; with label propagation the
         embedded ``labels`` are added to the input features of ``label_rows``."""
-        if self.label_emb is not None and label_rows is not None and label_rows.numel():
+        if self.label_emb is not None and label_rows is not None:
+            # Even with no rows drawn, the input then requires grad on every rank, so all ranks
+            # enter the same backward exchanges.
             x = x.index_add(0, label_rows, self.label_emb(labels))
         for i, conv in enumerate(self.convs):
             if self.norms is not None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
+from torch.autograd.function import once_differentiable
 
 from tessera.graph import Graph
 from tessera.ops.attention import edge_score, edge_softmax
@@ -90,8 +91,8 @@ def _pow2_f32(typingctx, k):
 
 @numba.njit(fastmath=True, cache=True)
 def _exp_f32(x):
-    # Without Intel SVML numba calls libm's scalar expf (~2 ns); this Cephes-style polynomial
-    # (2 ulp, 0 below exp's normal range) vectorises and makes the softmax about 4x cheaper.
+    # Without Intel SVML numba calls libm's scalar expf: 40 ms for arxiv's 2.5M x 8 scores, 11 ms
+    # with this Cephes-style polynomial (2 ulp; 0 below exp's normal range), which vectorises.
     x = min(x, np.float32(88.0))
     t = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
     r = x - t * np.float32(0.693359375) + t * np.float32(2.12194440e-4)
@@ -357,6 +358,7 @@ class _GATAttention(torch.autograd.Function):
         return alpha
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         need_src, need_dst = ctx.needs_input_grad[:2]
         if not (need_src or need_dst):

@@ -1,0 +1,115 @@
+"""Quantized communication keeps accuracy, and the simulator's byte counts equal the runtime's."""
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tessera.config import TrainConfig
+from tessera.datasets import load
+from tessera.dist.launch import free_port
+from tessera.train import Trainer
+
+
+def _accuracy_worker(rank, world, port, root, configs, out_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), TESSERA_DATA=root
+    )
+    from tessera.dist.context import init_from_env, shutdown
+
+    torch.set_num_threads(1)
+    comm = init_from_env(300)
+    g = load("cora")
+    acc = {}
+    try:
+        for name, kw in configs.items():
+            for seed in range(3):
+                cfg = TrainConfig(
+                    dataset="cora",
+                    hidden=16,
+                    dropout=0.5,
+                    lr=0.01,
+                    weight_decay=5e-4,
+                    epochs=200,
+                    seed=seed,
+                    out=str(Path(out_dir) / f"{name}-{seed}"),
+                    progress=False,
+                    **kw,
+                )
+                res = Trainer(cfg, g, comm).fit()
+                acc.setdefault(name, []).append(res.get("test_acc"))
+    finally:
+        shutdown()
+    if rank == 0:
+        (Path(out_dir) / "acc.json").write_text(json.dumps(acc))
+
+
+def test_int2_with_layernorm_and_label_propagation_keeps_cora_accuracy(planetoid_root, tmp_path):
+    configs = {"fp32": {}, "int2": {"comm_bits": 2, "norm": "layer", "label_prop": 0.5}}
+    mp.spawn(
+        _accuracy_worker, args=(4, free_port(), str(planetoid_root.parent), configs, str(tmp_path)), nprocs=4, join=True
+    )
+    acc = json.loads((tmp_path / "acc.json").read_text())
+    fp32, int2 = statistics.mean(acc["fp32"]), statistics.mean(acc["int2"])
+    print(f"Cora, 4 ranks, mean test accuracy over 3 seeds: fp32 {fp32:.4f}, int2+LN+LP {int2:.4f}", acc)
+    assert fp32 >= 0.78
+    assert int2 >= fp32 - 0.015, acc
+
+
+MODES = ("post", "pre", "prepost")
+BITS = (32, 8, 4, 2)
+
+
+def _bytes_worker(rank, world, port, root, out_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), TESSERA_DATA=root
+    )
+    from tessera.dist.context import init_from_env, shutdown
+
+    torch.set_num_threads(1)
+    comm = init_from_env(300)
+    got = {}
+    try:
+        for ds in ("cora", "synthetic:small"):
+            g = load(ds)
+            for mode in MODES:
+                for bits in BITS:
+                    cfg = TrainConfig(
+                        dataset=ds,
+                        hidden=16,
+                        epochs=1,
+                        remote_agg=mode,
+                        comm_bits=bits,
+                        out=str(Path(out_dir) / f"{ds}-{mode}-{bits}"),
+                        progress=False,
+                    )
+                    t = Trainer(cfg, g, comm)
+                    t.fit()
+                    c = t.history[0]["comm"]
+                    got[f"{ds}|{mode}|{bits}"] = {"bytes_data": c["bytes_data"], "bytes_params": c["bytes_params"]}
+    finally:
+        shutdown()
+    if rank == 0:
+        (Path(out_dir) / "bytes.json").write_text(json.dumps(got))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_simulator_bytes_equal_measured_bytes(world, planetoid_root, tmp_path, monkeypatch):
+    from tessera.sim.volume import runtime_bytes, simulate_volumes
+
+    mp.spawn(
+        _bytes_worker, args=(world, free_port(), str(planetoid_root.parent), str(tmp_path)), nprocs=world, join=True
+    )
+    got = json.loads((tmp_path / "bytes.json").read_text())
+    monkeypatch.setenv("TESSERA_DATA", str(planetoid_root.parent))
+    for ds in ("cora", "synthetic:small"):
+        vol = simulate_volumes(load(ds), world, model="gcn", hidden=16, layers=2, modes=MODES, bits=BITS)
+        for mode in MODES:
+            for bits in BITS:
+                measured = got[f"{ds}|{mode}|{bits}"]
+                assert measured == runtime_bytes(vol, mode, bits), f"{ds} {mode} {bits}-bit, P={world}"
+                assert sum(map(sum, sum(measured["bytes_data"], []))) > 0
