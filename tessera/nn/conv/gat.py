@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tessera import ops
@@ -60,8 +59,8 @@ class GATConv(nn.Module):
         h = self.lin(x).view(-1, self.heads, self.out_channels)
         a_src = (h * self.att_src).sum(-1)
         a_dst = (h * self.att_dst).sum(-1)
-        scores = F.leaky_relu(ops.edge_score(g, a_src, a_dst), self.negative_slope)
-        alpha = ops.dropout(ops.edge_softmax(g, scores), self.dropout, self.training)
+        # Fused score, LeakyReLU and per-destination softmax: O(E x heads) memory, no E x F tensor.
+        alpha = ops.dropout(ops.gat_attention(g, a_src, a_dst, self.negative_slope), self.dropout, self.training)
         out = ops.aggregate(g, h, "sum", alpha, self.backend)
         out = out.reshape(-1, self.heads * self.out_channels) if self.concat else out.mean(1)
         return out if self.bias is None else out + self.bias
