@@ -25,6 +25,7 @@ from tessera.dist.plan import RankPlan, build_rank_plan, plan_from_part
 from tessera.dist.wire import row_bytes
 from tessera.errors import ConfigError, GraphError
 from tessera.graph import Graph
+from tessera.graph.graph import Memo
 from tessera.ops.registry import get_backend
 from tessera.ops.sparse import CSRMatrix
 
@@ -64,7 +65,7 @@ def _csr_rows(indptr: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
 
 
-class DistGraph:
+class DistGraph(Memo):
     """Rank ``plan.rank``'s share of a partitioned graph: owned vertices in local order, their
     node data, and the plan matrices. Quacks like :class:`Graph` for the layers; ``ops.aggregate``
     sends it to :meth:`distributed_aggregate`."""
@@ -155,12 +156,6 @@ class DistGraph:
     def global_size(self) -> tuple[int, int]:
         """(vertices, edges) of the whole graph."""
         return self.global_num_nodes, self.global_num_edges
-
-    def cached(self, key: object, make):
-        """Memoise a derived structure on this rank's view."""
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
 
     def fingerprint(self) -> str:
         """The global graph's fingerprint."""

@@ -26,6 +26,18 @@ class TransposedCSR:
     perm: torch.Tensor
 
 
+class Memo:
+    """Per-object memoisation of derived structures (normalisation, transpose, plans) in ``_cache``."""
+
+    _cache: dict
+
+    def cached(self, key: object, make):
+        """Return the structure stored under ``key``, computing it with ``make()`` the first time."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+
 def _as_tensor(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         t = a.detach()
@@ -42,7 +54,7 @@ def index_dtype(num_nodes: int, num_edges: int) -> torch.dtype:
 
 
 @dataclass(eq=False)
-class Graph:
+class Graph(Memo):
     """A graph as destination-major CSR plus optional node and edge data.
 
     ``indices[indptr[i]:indptr[i+1]]`` are the in-neighbours (message sources) of vertex ``i``,
@@ -242,12 +254,6 @@ class Graph:
     def num_features(self) -> int:
         """Width of the node features (0 without features)."""
         return 0 if self.x is None else int(self.x.shape[1])
-
-    def cached(self, key: object, make):
-        """Memoise a derived structure (normalisation, transpose, chunking) on this graph."""
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
 
     def dst_index(self) -> torch.Tensor:
         """The destination vertex of every edge, int64, in CSR order."""

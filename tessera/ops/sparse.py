@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tessera.graph.graph import TransposedCSR, index_dtype
+from tessera.graph.graph import Memo, TransposedCSR, index_dtype
 
 
 @dataclass(eq=False)
-class CSRMatrix:
+class CSRMatrix(Memo):
     """``num_rows x num_cols`` CSR: row ``i`` holds entries ``(indices[e], weight[e])`` for
     ``e in [indptr[i], indptr[i+1])``. Quacks like :class:`Graph` for the backends: the product
     ``out = M @ x`` is an aggregation into rows from columns."""
@@ -46,12 +46,6 @@ class CSRMatrix:
     def edge_weight(self) -> torch.Tensor | None:
         """The entry values (``None`` means all ones)."""
         return self.weight
-
-    def cached(self, key: object, make):
-        """Memoise a derived structure on this matrix."""
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
 
     def dst_index(self) -> torch.Tensor:
         """Row of every entry (int64)."""
