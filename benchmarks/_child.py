@@ -21,8 +21,8 @@ import traceback
 from typing import Any
 
 MARKER = "BENCH_RESULT "
-# An epoch is "quiet" when other processes used fewer than this many cores during it.
-QUIET_LOAD = 0.25
+# An epoch is "quiet" when its interference (see run()) is below this many cores.
+QUIET_LOAD = 0.2
 
 
 def rss_mib() -> float:
@@ -54,6 +54,23 @@ def self_cpu_s() -> float:
     """CPU seconds used by this process (all threads)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+
+
+def runq_wait_s() -> float:
+    """Seconds this process's live threads have spent runnable but waiting for a CPU
+    (``/proc/<pid>/task/*/schedstat``, field 2); 0 where schedstat is unavailable."""
+    total = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
 
 
 def allocator_in_use() -> str:
@@ -105,10 +122,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     times: list[float] = []
     losses: list[float] = []
-    other: list[float] = []  # cores used by other processes during each step
+    # Interference per step, in cores: the smaller of (a) CPU time other processes used and
+    # (b) time this process's threads sat runnable waiting for a CPU. (a) alone overcounts when
+    # this step leaves a core idle (others may use it freely); (b) alone overcounts waits between
+    # this process's own thread pools. Both are large only when others took cores we wanted.
+    other: list[float] = []
+    waits: list[float] = []
     model.train()
     for _ in range(spec["warmup"] + spec["epochs"]):
-        busy0, self0 = cpu_busy_s(), self_cpu_s()
+        busy0, self0, wait0 = cpu_busy_s(), self_cpu_s(), runq_wait_s()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         logits = forward(model, x)
@@ -119,10 +141,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
         losses.append(lv)
         other.append(max(0.0, (cpu_busy_s() - busy0) - (self_cpu_s() - self0)) / times[-1])
+        waits.append(max(0.0, runq_wait_s() - wait0) / times[-1])
 
-    timed = times[spec["warmup"] :]
-    other_timed = other[spec["warmup"] :]
-    quiet = [t for t, o in zip(timed, other_timed) if o < QUIET_LOAD]
+    w = spec["warmup"]
+    timed = times[w:]
+    interference = [min(o, q) for o, q in zip(other[w:], waits[w:])]
+    quiet = [t for t, i in zip(timed, interference) if i < QUIET_LOAD]
     return {
         "status": "ok",
         "framework": fw,
@@ -138,8 +162,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "quiet_median_ms": statistics.median(quiet) * 1e3 if quiet else None,
         "min_ms": min(timed) * 1e3,
         "max_ms": max(timed) * 1e3,
-        "other_load": [round(v, 2) for v in other_timed],
-        "other_load_mean": round(statistics.fmean(other_timed), 3),
+        "other_load": [round(v, 2) for v in other[w:]],
+        "runq_wait": [round(v, 2) for v in waits[w:]],
+        "interference": [round(v, 2) for v in interference],
+        "interference_mean": round(statistics.fmean(interference), 3),
+        "other_load_mean": round(statistics.fmean(other[w:]), 3),
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "load_s": round(load_s, 3),

@@ -23,7 +23,9 @@ Imports are local to each builder: a child only imports the framework it runs.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -210,13 +212,25 @@ def build(
     raise ValueError(f"unknown framework {framework!r}; choose from {', '.join(FRAMEWORKS)}")
 
 
+def _source_hash(pkg: Path) -> str:
+    """SHA-1 (12 hex digits) over the package's ``.py`` files: which tessera code a child ran."""
+    h = hashlib.sha1()
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(str(f.relative_to(pkg)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def versions(framework: str) -> dict[str, str]:
     """Library versions relevant to ``framework`` (in the running interpreter)."""
     out = {"torch": torch.__version__, "numpy": np.__version__}
     if framework == "tessera":
         import numba
 
+        import tessera
+
         out["numba"] = numba.__version__
+        out["tessera_src_sha1"] = _source_hash(Path(tessera.__file__).parent)
     elif framework.startswith("pyg"):
         import torch_geometric
 

@@ -19,7 +19,7 @@ LABELS = {
     "pyg-csr": "PyG CSR",
     "dgl": "DGL",
 }
-QUIET_LOAD = 0.25  # same threshold as _child.QUIET_LOAD
+QUIET_LOAD = 0.2  # same threshold as _child.QUIET_LOAD
 MIN_QUIET = 3
 SHORT = {"tessera": "tessera", "pyg-edge_index": "PyG-ei", "pyg-csr": "PyG-CSR", "dgl": "DGL"}
 
@@ -108,14 +108,14 @@ def git_state() -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- aggregation
 def combine(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Merge repeats of one (graph, model, framework, allocator): pooled epoch times, max RSS, and
-    ``time_ms`` = median over quiet epochs (other load < ``QUIET_LOAD`` cores), or over all epochs
+    ``time_ms`` = median over quiet epochs (interference < ``QUIET_LOAD`` cores), or over all epochs
     with ``noisy = True`` when fewer than ``MIN_QUIET`` epochs were quiet."""
     ok = [r for r in records if r.get("status") == "ok"]
     if not ok:
         return dict(records[-1])
     out = dict(ok[-1])
     times = [t for r in ok for t in r["epoch_s"]]
-    loads = [o for r in ok for o in r.get("other_load", [0.0] * len(r["epoch_s"]))]
+    loads = [o for r in ok for o in r.get("interference", r.get("other_load", [0.0] * len(r["epoch_s"])))]
     quiet = [t for t, o in zip(times, loads) if o < QUIET_LOAD]
     out["median_ms"] = statistics.median(times) * 1e3
     out["min_ms"], out["max_ms"] = min(times) * 1e3, max(times) * 1e3
@@ -126,7 +126,7 @@ def combine(records: list[dict[str, Any]]) -> dict[str, Any]:
     out["repeat_medians_ms"] = [round(r["median_ms"], 2) for r in ok]
     out["peak_rss_mib"] = max(r["peak_rss_mib"] for r in ok)
     out["repeats_ok"] = len(ok)
-    out["other_load_mean"] = statistics.fmean(loads) if loads else 0.0
+    out["interference_mean"] = statistics.fmean(loads) if loads else 0.0
     return out
 
 
@@ -218,6 +218,9 @@ def graph_table(
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",
     ]
     for m in models:
+        if not any(k[0] == graph_key and k[1] == m for k in grouped):
+            lines.append("| " + " | ".join([m, "not run"] + [""] * (len(head) - 2)) + " |")
+            continue
         row, bests = [m], {}
         for f in frameworks:
             cells = {a: grouped[(graph_key, m, f, a)] for a in allocators if (graph_key, m, f, a) in grouped}
@@ -244,7 +247,7 @@ def detail_table(
     """Every (graph, model, framework, allocator) with its status, spread, RSS and losses."""
     lines = [
         "| graph | model | framework | allocator | status | quiet median ms (n) | all-epoch median ms | min–max ms "
-        "| peak RSS MiB | load+build s | child wall s | other load (cores) | attempts | loss first→last |",
+        "| peak RSS MiB | load+build s | child wall s | interference (cores) | attempts | loss first→last |",
         "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for (gk, m, f, a), r in runs_grouped.items():
@@ -255,7 +258,7 @@ def detail_table(
                 f"| {fmt_ms(r['median_ms'])} "
                 f"| {fmt_ms(r['min_ms'])}–{fmt_ms(r['max_ms'])} | {r['peak_rss_mib']:.0f} "
                 f"| {r['load_s'] + r['build_s']:.1f} | {r.get('wall_s', 0):.0f} "
-                f"| {r.get('other_load_mean', 0):.2f} | {_attempts(r)} "
+                f"| {r.get('interference_mean', 0):.2f} | {_attempts(r)} "
                 f"| {r['loss_first']:.3f}→{r['loss_last']:.3f} |"
             )
         else:

@@ -128,6 +128,65 @@ class CgroupCap:
                 time.sleep(0.1)
 
 
+class CpuWeight:
+    """A per-child cgroup with a raised CPU weight (v1 ``cpu.shares``, default 1024; v2
+    ``cpu.weight``, default 100), so a child keeps its cores on a machine that other people's
+    jobs share. Opt-in (``--cpu-shares``): it takes CPU time from every other process."""
+
+    def __init__(self, base: Path, version: int, shares: int) -> None:
+        self.base, self.version, self.shares = base, version, shares
+
+    @staticmethod
+    def detect(shares: int) -> CpuWeight | None:
+        """A writable cpu controller, or ``None``."""
+        candidates: list[tuple[Path, int]] = []
+        if (CGROUP_ROOT / "cgroup.controllers").is_file():
+            if "cpu" in (CGROUP_ROOT / "cgroup.controllers").read_text().split():
+                candidates.append((CGROUP_ROOT, 2))
+        if (CGROUP_ROOT / "cpu" / "cpu.shares").is_file():
+            candidates.append((CGROUP_ROOT / "cpu", 1))
+        for base, version in candidates:
+            probe = base / f"tessera_bench_cpuprobe_{os.getpid()}"
+            try:
+                probe.mkdir()
+                ok = (probe / ("cpu.weight" if version == 2 else "cpu.shares")).exists()
+                probe.rmdir()
+            except OSError:
+                continue
+            if ok:
+                return CpuWeight(base, version, shares)
+        return None
+
+    def describe(self) -> str:
+        """e.g. ``cgroup v1 cpu.shares 16384 (default 1024)``."""
+        if self.version == 2:
+            return f"cgroup v2 cpu.weight {self._v2_weight()} (default 100)"
+        return f"cgroup v1 cpu.shares {self.shares} (default 1024)"
+
+    def _v2_weight(self) -> int:
+        return max(1, min(10000, round(self.shares * 100 / 1024)))
+
+    def create(self, tag: str) -> Path:
+        """A new cgroup for one child with the raised weight."""
+        d = self.base / f"tessera_bench_cpu_{os.getpid()}_{tag}"
+        d.mkdir(exist_ok=True)
+        if self.version == 2:
+            (d / "cpu.weight").write_text(str(self._v2_weight()))
+        else:
+            (d / "cpu.shares").write_text(str(self.shares))
+        return d
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """utime + stime of process ``pid`` in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _proc_rss_mib(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -177,14 +236,21 @@ class Launch:
     mem_cap_gib: float
 
 
-def run_child(launch: Launch, cgroup: CgroupCap | None) -> dict[str, Any]:
+# The shell writes its own pid into each cgroup named before "--", then becomes the child.
+JOIN_CGROUPS = 'while [ "$1" != "--" ]; do echo $$ > "$1/cgroup.procs" || exit 97; shift; done; shift; exec "$@"'
+
+
+def run_child(launch: Launch, cgroup: CgroupCap | None, cpu: CpuWeight | None = None) -> dict[str, Any]:
     """Run one child to completion (or cap / timeout) and return its result record, annotated
     with ``status`` (ok / oom / timeout / error), ``wall_s`` and the parent's view of its memory."""
     cap_bytes = int(launch.mem_cap_gib * 2**30)
     cmd = [launch.python, str(HERE / "_child.py"), json.dumps(launch.spec)]
     cg = cgroup.create(launch.tag, cap_bytes) if cgroup else None
-    if cg is not None:
-        cmd = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cg), *cmd]
+    cpu_cg = cpu.create(launch.tag) if cpu else None
+    # cgroup v2 has one directory for both controllers
+    dirs = list(dict.fromkeys(str(d) for d in (cg, cpu_cg) if d is not None))
+    if dirs:
+        cmd = ["sh", "-c", JOIN_CGROUPS, "sh", *dirs, "--", *cmd]
     env = {**os.environ, **launch.env}
     for k in ("LD_PRELOAD", "MALLOC_CONF"):
         if not env.get(k):
@@ -193,28 +259,39 @@ def run_child(launch: Launch, cgroup: CgroupCap | None) -> dict[str, Any]:
     out_path, err_path = launch.log_dir / f"{launch.tag}.out", launch.log_dir / f"{launch.tag}.err"
     t0 = time.perf_counter()
     poll_peak, killed_for_mem, timed_out = 0.0, False, False
+    busy0, child_cpu = _busy_s(), 0.0
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True)
-        while proc.poll() is None:
-            rss = _proc_rss_mib(proc.pid)
-            if rss is not None:
-                poll_peak = max(poll_peak, rss)
-                if cg is None and rss * 2**20 > cap_bytes:
-                    killed_for_mem = True
+        try:
+            while proc.poll() is None:
+                child_cpu = _proc_cpu_s(proc.pid) or child_cpu
+                rss = _proc_rss_mib(proc.pid)
+                if rss is not None:
+                    poll_peak = max(poll_peak, rss)
+                    if cg is None and rss * 2**20 > cap_bytes:
+                        killed_for_mem = True
+                        _kill(proc)
+                        break
+                if time.perf_counter() - t0 > launch.timeout_s:
+                    timed_out = True
                     _kill(proc)
                     break
-            if time.perf_counter() - t0 > launch.timeout_s:
-                timed_out = True
-                _kill(proc)
-                break
-            time.sleep(0.2)
+                time.sleep(0.2)
+        except BaseException:  # interrupted: take the child and its cgroups down with us
+            _kill(proc)
+            proc.wait()
+            for d in {cg, cpu_cg} - {None}:
+                CgroupCap.remove(d)
+            raise
         rc = proc.wait()
     wall = time.perf_counter() - t0
+    # cores used by everything but the child over its life (the child's last CPU sample is <= 0.2 s old)
+    other_load = max(0.0, _busy_s() - busy0 - child_cpu) / max(wall, 1e-9)
     res = _parse(out_path)
     oom = killed_for_mem or (cg is not None and cgroup is not None and cgroup.oom_killed(cg))
     cg_peak = cgroup.max_usage_mib(cg) if (cg is not None and cgroup is not None) else None
-    if cg is not None:
-        CgroupCap.remove(cg)
+    for d in {cg, cpu_cg} - {None}:
+        CgroupCap.remove(d)
     if res is None:
         res = {k: launch.spec[k] for k in ("framework", "model", "allocator")}
         if oom or rc == -signal.SIGKILL and not timed_out:
@@ -222,7 +299,7 @@ def run_child(launch: Launch, cgroup: CgroupCap | None) -> dict[str, Any]:
             res["error"] = f"killed at the memory cap ({launch.mem_cap_gib:g} GiB)"
         elif timed_out:
             res["status"] = "timeout"
-            res["error"] = f"no result within {launch.timeout_s:g} s"
+            res["error"] = f"no result within {launch.timeout_s:g} s (other processes used {other_load:.2f} cores)"
         else:
             res["status"] = "error"
             res["error"] = f"exit code {rc}: {_tail(err_path)}"
@@ -231,6 +308,7 @@ def run_child(launch: Launch, cgroup: CgroupCap | None) -> dict[str, Any]:
             "rc": rc,
             "wall_s": round(wall, 1),
             "poll_peak_rss_mib": round(poll_peak, 1),
+            "life_other_load": round(other_load, 2),
             "cgroup_peak_mib": None if cg_peak is None else round(cg_peak, 1),
             "cap": "cgroup" if cg is not None else "rss-poll",
             "graph_spec": launch.spec.get("graph_spec"),

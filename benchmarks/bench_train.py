@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from _report import LABELS, cpu_facts, detail_table, git_state, graph_table, group, probe_python
-from _runner import ROOT, CgroupCap, Launch, allocator_env, find_jemalloc, run_child, wait_for_quiet
+from _runner import (
+    JOIN_CGROUPS,
+    ROOT,
+    CgroupCap,
+    CpuWeight,
+    Launch,
+    allocator_env,
+    find_jemalloc,
+    run_child,
+    wait_for_quiet,
+)
 
 FRAMEWORKS = ("tessera", "pyg-edge_index", "pyg-csr", "dgl")
 ALLOCATORS = ("default", "jemalloc")
@@ -68,9 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="re-run a child (up to N times) when fewer than half its timed epochs were quiet (other processes "
-        "using < 0.25 cores); the attempt with the most quiet epochs is kept",
+        "interfering < 0.2 cores); the attempt with the most quiet epochs is kept",
     )
 
+    p.add_argument(
+        "--cpu-shares",
+        type=int,
+        default=0,
+        help="run each child in a cgroup with this cpu.shares (v1 default 1024; 0 = off) so other jobs on a "
+        "shared machine cannot take its cores; this slows every other process while a child runs",
+    )
     p.add_argument("--python", default=None, help="interpreter for tessera/PyG (default: .venv/bin/python)")
     p.add_argument("--dgl-python", default=str(ROOT / ".venv-dgl" / "bin" / "python"))
     p.add_argument("--data-dir", default=None, help="where the graph .npy files go (default: a temp dir)")
@@ -79,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write all records and facts here")
     p.add_argument("--md", default=None, help="also write the markdown report here")
     p.add_argument("--seed", type=int, default=0, help="synthetic graph seed")
+    p.add_argument(
+        "--render",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="run nothing: rebuild the report from saved --json files (several are merged, e.g. one per graph)",
+    )
     a = p.parse_args(argv)
     if a.python is None:
         venv = ROOT / ".venv" / "bin" / "python"
@@ -103,23 +128,29 @@ def _child_env(threads: int) -> dict[str, str]:
     }
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def measure_stream(python: str, threads: int) -> dict[str, Any] | None:
-    """STREAM GB/s via ``stream.py`` in a child (keeps 600 MB out of this process)."""
+def measure_stream(python: str, threads: int, cpu: CpuWeight | None = None) -> dict[str, Any] | None:
+    """STREAM GB/s via ``stream.py`` in a child (keeps 600 MB out of this process), in a raised-
+    priority cgroup when ``cpu`` is given, like the benchmark children."""
+    cmd = [python, str(ROOT / "benchmarks" / "stream.py"), "--threads", str(threads), "--json"]
+    cg = cpu.create("stream") if cpu else None
+    if cg is not None:
+        cmd = ["sh", "-c", JOIN_CGROUPS, "sh", str(cg), "--", *cmd]
     try:
-        r = subprocess.run(
-            [python, str(ROOT / "benchmarks" / "stream.py"), "--threads", str(threads), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, **_child_env(threads)},
-        )
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **_child_env(threads)})
         return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-300:]}
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
         return {"error": str(e)}
+    finally:
+        if cg is not None:
+            CgroupCap.remove(cg)
 
 
 def dump_graph(python: str, spec: str, out_dir: Path, seed: int) -> dict[str, Any]:
@@ -139,6 +170,10 @@ def dump_graph(python: str, spec: str, out_dir: Path, seed: int) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark matrix and print (and optionally save) the report."""
     a = parse_args(argv)
+    if a.render:
+        return render_saved(a.render, a.md, a.json)
+    # SIGTERM unwinds like Ctrl-C, so the running child, its cgroups and the temp files are removed
+    signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.perf_counter()
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = "python benchmarks/bench_train.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
@@ -175,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 "computes messages through an internal edge index, so it is the edge-index path plus conversions."
             )
     cgroup = CgroupCap.detect()
+    cpu = CpuWeight.detect(a.cpu_shares) if a.cpu_shares > 0 else None
+    if a.cpu_shares > 0 and cpu is None:
+        notes.append("--cpu-shares ignored: no writable cpu cgroup controller.")
     cap_desc = (
         f"cgroup v{cgroup.version} memory limit ({cgroup.base})"
         if cgroup
@@ -192,13 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         "jemalloc": jemalloc,
         "jemalloc_conf": "dirty_decay_ms:-1,muzzy_decay_ms:-1",
         "mem_cap": f"{a.mem_cap_gb:g} GiB per child, {cap_desc}",
+        "cpu_priority": cpu.describe() if cpu else "none (children compete with other processes as equals)",
         "timeout_s": a.timeout,
         "git": git_state(),
         "config": {k: getattr(a, k) for k in ("hidden", "layers", "heads", "dropout", "epochs", "warmup", "repeats")},
+        "frameworks_run": frameworks,
     }
     if not a.no_stream:
         _log("measuring STREAM bandwidth ...")
-        facts["stream"] = measure_stream(a.python, a.threads)
+        facts["stream"] = measure_stream(a.python, a.threads, cpu)
 
     # ---------------------------------------------------------------- runs
     data_root = Path(a.data_dir) if a.data_dir else Path(tempfile.mkdtemp(prefix="tessera_bench_"))
@@ -220,13 +260,17 @@ def main(argv: list[str] | None = None) -> int:
                     for fw in frameworks:
                         for alloc in a.allocators:
                             done += 1
-                            rec = _one(a, fw, alloc, model, gname, spec, gdir, rep, jemalloc, cgroup, log_dir, started)
+                            rec = _one(
+                                a, fw, alloc, model, gname, spec, gdir, rep, jemalloc, (cgroup, cpu), log_dir, started
+                            )
                             runs.append(rec)
                             _log(f"[{done}/{total}] {_summary(rec)}")
             if not a.keep_data:
                 shutil.rmtree(gdir, ignore_errors=True)
     finally:
-        if not a.keep_data and not a.data_dir:
+        if not a.keep_data and not a.data_dir and sys.exc_info()[0] is not None:
+            shutil.rmtree(data_root, ignore_errors=True)  # interrupted
+        elif not a.keep_data and not a.data_dir:
             # keep the logs of failed children for inspection
             failed = [r for r in runs if r.get("status") not in ("ok", "na", "skipped")]
             if not failed:
@@ -258,10 +302,11 @@ def _one(
     gdir: Path,
     rep: int,
     jemalloc: str | None,
-    cgroup: CgroupCap | None,
+    cgroups: tuple[CgroupCap | None, CpuWeight | None],
     log_dir: Path,
     started: float,
 ) -> dict[str, Any]:
+    """Run one cell (retrying while the machine is too busy) and return the kept record."""
     base = {"framework": fw, "allocator": alloc, "model": model, "graph_key": gname, "repeat": rep}
     env = allocator_env(alloc, jemalloc)
     if env is None:
@@ -298,7 +343,7 @@ def _one(
     need = (a.epochs + 1) // 2  # a run is clean when at least half its timed epochs were quiet
     for attempt in range(1 + max(0, a.retry_noisy)):
         waited, load0 = wait_for_quiet(a.quiet_wait) if a.quiet_wait > 0 else (0.0, float("nan"))
-        rec = run_child(launch, cgroup)
+        rec = run_child(launch, *cgroups)
         rec.update(base, quiet_wait_s=round(waited, 1), load_before=round(load0, 2))
         attempts.append(rec)
         if rec.get("status") != "ok" or rec.get("quiet_epochs", 0) >= need or attempt == a.retry_noisy:
@@ -307,12 +352,12 @@ def _one(
             break
         _log(f"    noisy ({rec['quiet_epochs']}/{a.epochs} quiet epochs): {_summary(rec)}; retrying")
     ok = [r for r in attempts if r.get("status") == "ok"]
-    best = min(ok, key=lambda r: (-r["quiet_epochs"], r["other_load_mean"])) if ok else attempts[-1]
+    best = min(ok, key=lambda r: (-r["quiet_epochs"], r["interference_mean"])) if ok else attempts[-1]
     best["attempts"] = [
         {
             "median_ms": r.get("median_ms"),
             "quiet_epochs": r.get("quiet_epochs"),
-            "other_load_mean": r.get("other_load_mean"),
+            "interference_mean": r.get("interference_mean"),
             "status": r.get("status"),
         }
         for r in attempts
@@ -326,7 +371,7 @@ def _summary(r: dict[str, Any]) -> str:
         return (
             f"{head} {r['median_ms']:.1f} ms (quiet {_q(r)}, min {r['min_ms']:.1f}), peak {r['peak_rss_mib']:.0f} MiB, "
             f"loss {r['loss_first']:.3f}->{r['loss_last']:.3f}, {r.get('wall_s', 0):.0f} s, "
-            f"other load {r.get('other_load_mean', 0):.2f} cores"
+            f"interference {r.get('interference_mean', 0):.2f} cores (others used {r.get('other_load_mean', 0):.2f})"
         )
     return f"{head} {r.get('status')} {r.get('error', '')} ({r.get('wall_s', 0)} s)"
 
@@ -334,6 +379,49 @@ def _summary(r: dict[str, Any]) -> str:
 def _q(r: dict[str, Any]) -> str:
     q = r.get("quiet_median_ms")
     return f"{q:.1f} ms over {r['quiet_epochs']} epochs" if q is not None else "none"
+
+
+def render_saved(paths: list[str], md_path: str | None, json_path: str | None) -> int:
+    """Re-render (and merge) reports from saved JSON files; settings come from the first
+    file's command line, graphs / runs / notes from all of them."""
+    saved = [json.loads(Path(p).read_text()) for p in paths]
+    first = saved[0]
+    cmd = shlex.split(first["facts"]["command"])
+    a = parse_args(cmd[cmd.index("benchmarks/bench_train.py") + 1 :] if "benchmarks/bench_train.py" in cmd else [])
+    facts = dict(first["facts"])
+    graphs: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    notes: list[str] = []
+    models: list[str] = []
+    for d in saved:
+        graphs.update(d["graphs"])
+        runs += d["runs"]
+        notes += [n for n in d["notes"] if n not in notes]
+        dcmd = shlex.split(d["facts"]["command"])
+        dargs = parse_args(dcmd[dcmd.index("benchmarks/bench_train.py") + 1 :])
+        models += [m for m in dargs.models if m not in models]
+    if len(saved) > 1:
+        facts["command"] = "` ; `".join(d["facts"]["command"] for d in saved)
+        facts["date"] = " / ".join(dict.fromkeys(d["facts"]["date"] for d in saved))
+        facts["total_s"] = sum(d["facts"].get("total_s", 0) for d in saved)
+        facts["git"] = {
+            "commit": " / ".join(dict.fromkeys(d["facts"]["git"].get("commit", "?") for d in saved)),
+            "tessera_dirty": any(d["facts"]["git"].get("tessera_dirty") for d in saved),
+        }
+        streams = [d["facts"]["stream"] for d in saved if "gb_s" in (d["facts"].get("stream") or {})]
+        if streams:  # each run measured STREAM once; keep the least disturbed (fastest) one
+            facts["stream"] = max(streams, key=lambda st: st["gb_s"]["triad"])
+    a.models = models
+    present = {r["framework"] for r in runs}
+    frameworks = [f for f in FRAMEWORKS if f in present]
+    md = render(a, facts, frameworks, graphs, runs, notes)
+    print(md)
+    if md_path:
+        Path(md_path).write_text(md + "\n")
+    if json_path:
+        payload = {"facts": facts, "graphs": graphs, "notes": notes, "runs": runs, "merged_from": paths}
+        Path(json_path).write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    return 0
 
 
 def render(
@@ -369,12 +457,20 @@ def render(
         f"- model: {a.layers} layers, hidden {a.hidden} (GAT {a.heads} heads × {a.hidden // a.heads}), dropout "
         f"{a.dropout}, Adam lr 0.01 wd 5e-4; {a.warmup} warm-up + {a.epochs} timed epochs per child, "
         f"{a.repeats} child(ren) per cell; median epoch time reported",
+        f"- CPU priority of children: {facts['cpu_priority']}",
         f"- memory cap: {facts['mem_cap']}; timeout {a.timeout:g} s per child; total wall {facts['total_s']:.0f} s",
-        "- noise control: the machine is shared, so every timed epoch records the cores other processes used "
-        "during it (/proc/stat busy time minus the child's own CPU time); an epoch is *quiet* below 0.25 cores. "
+        "- noise control: the machine is shared, so every timed epoch records its *interference*, in cores: the "
+        "smaller of the CPU other processes used during it (/proc/stat busy time minus the child's own CPU time) and "
+        "the time the child's threads waited runnable for a CPU (/proc/self/task/*/schedstat); an epoch is *quiet* "
+        "below 0.2 cores. "
         "Table times are the median over quiet epochs (over all epochs when fewer than 3 were quiet; marked ⚠). "
-        f"Before each child the harness waits ≤ {a.quiet_wait:g} s for a quiet machine, and re-runs a child up to "
-        f"{a.retry_noisy}× when under half its epochs were quiet, keeping the attempt with the most quiet epochs.",
+        + (
+            f"Before each child the harness waits ≤ {a.quiet_wait:g} s for a quiet machine, and "
+            if a.quiet_wait > 0
+            else "The harness "
+        )
+        + f"re-runs a child up to {a.retry_noisy}× when under half its epochs were quiet, keeping the attempt with "
+        "the most quiet epochs.",
     ]
     st = facts.get("stream")
     if st and "gb_s" in st:
@@ -397,6 +493,17 @@ def render(
         lines += graph_table(gname, a.models, frameworks, a.allocators, grouped, a.mem_cap_gb, a.timeout)
     lines += ["", "## Every run", ""]
     lines += detail_table(grouped, a.mem_cap_gb, a.timeout)
+    hashes = {
+        r.get("versions", {}).get("tessera_src_sha1")
+        for r in runs
+        if r.get("framework") == "tessera" and r.get("status") == "ok"
+    } - {None}
+    if len(hashes) > 1:
+        notes = [
+            *notes,
+            f"tessera/ changed while this ran (others were editing it): tessera children ran {len(hashes)} "
+            f"different source versions ({', '.join(sorted(hashes))}; per run in the JSON, versions.tessera_src_sha1).",
+        ]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     failed = [r for r in grouped.values() if r.get("status") not in ("ok", "na")]
