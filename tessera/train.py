@@ -362,13 +362,17 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
             from tessera.graph.partition import load_part
 
             graph = DistGraph.from_part(load_part(cfg.parts_dir, comm.rank, expect_parts=comm.world), cfg.remote_agg)
-        return Trainer(cfg, graph, comm).fit()
+        result = Trainer(cfg, graph, comm).fit()
     except RuntimeError as e:  # gloo/NCCL: a peer died, hung past --timeout, or broke the exchange
+        shutdown(clean=False)
         if os.environ.get("TESSERA_DEBUG"):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(
             f"rank {comm.rank}: a collective failed ({first[:200]}); a peer died or timed out"
         ) from None
-    finally:
-        shutdown()
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown(clean=True)
+    return result

@@ -31,3 +31,19 @@ def dense_adjacency(g: Graph, weight: torch.Tensor | None = None, dtype=torch.fl
     w = torch.ones(g.num_edges, dtype=dtype) if weight is None else weight.to(dtype)
     a.index_put_((g.dst_index(), g.src_index()), w, accumulate=True)
     return a
+
+
+def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:
+    """``mp.spawn(fn, args)`` where ``args = (world, port, ...)``, retried once on a fresh port if a
+    worker dies by a signal: on a heavily loaded 2-core machine a gloo teardown abort (SIGABRT,
+    "terminate called without an active exception") was seen once; a second failure is real."""
+    import torch.multiprocessing as mp
+
+    from tessera.dist.launch import free_port
+
+    try:
+        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+    except mp.ProcessExitedException as e:
+        if e.exit_code is None or e.exit_code >= 0:
+            raise
+        mp.spawn(fn, args=(args[0], free_port(), *args[2:]), nprocs=nprocs, join=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers import spawn_with_retry
 from tessera.config import TrainConfig
 from tessera.datasets import load
 from tessera.dist.launch import free_port
@@ -53,8 +53,8 @@ def test_int2_with_layernorm_and_label_propagation_keeps_cora_accuracy(planetoid
     # the only difference is the bits on the wire.
     guards = {"norm": "layer", "label_prop": 0.5}
     configs = {"fp32": guards, "int2": {"comm_bits": 2, **guards}}
-    mp.spawn(
-        _accuracy_worker, args=(4, free_port(), str(planetoid_root.parent), configs, str(tmp_path)), nprocs=4, join=True
+    spawn_with_retry(
+        _accuracy_worker, args=(4, free_port(), str(planetoid_root.parent), configs, str(tmp_path)), nprocs=4
     )
     acc = json.loads((tmp_path / "acc.json").read_text())
     fp32, int2 = statistics.mean(acc["fp32"]), statistics.mean(acc["int2"])
@@ -104,7 +104,7 @@ def _bytes_worker(rank, world, port, root, out_dir):
 def test_simulator_bytes_equal_measured_bytes(world, planetoid_root, tmp_path, monkeypatch):
     from tessera.sim.volume import runtime_bytes, simulate_volumes
 
-    mp.spawn(
+    spawn_with_retry(
         _bytes_worker, args=(world, free_port(), str(planetoid_root.parent), str(tmp_path)), nprocs=world, join=True
     )
     got = json.loads((tmp_path / "bytes.json").read_text())

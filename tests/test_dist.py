@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from helpers import spawn_with_retry
 from tessera.config import TrainConfig
 from tessera.datasets import load
 from tessera.dist.launch import free_port
@@ -85,7 +85,7 @@ def single_process(datasets, tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_partition_parallel_matches_single_process(world, datasets, single_process, tmp_path):
-    mp.spawn(_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world, join=True)
+    spawn_with_retry(_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world)
     got = json.loads((tmp_path / "dist.json").read_text())
     for key, res in got.items():
         ds, model, mode = key.split("|")

@@ -61,7 +61,10 @@ def init_from_env(timeout_s: float) -> Comm:
     return Comm(rank, world, device)
 
 
-def shutdown() -> None:
-    """Leave the process group if one was joined."""
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group if one was joined. A clean exit first waits for every rank, so no
+    rank tears gloo down while a peer still talks to it (seen as SIGABRT under heavy load)."""
     if dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

@@ -76,8 +76,9 @@ def launch(argv: Sequence[str], nprocs: int, poll_s: float = 0.05, grace_s: floa
             if bad:
                 # Give the first failure's root cause a moment to show: a rank whose peer died
                 # exits PEER_FAILED, the dead one by a signal or its own error.
+                # Rank 0 prints its own one-line error; let it finish so one message is shown.
                 end = time.time() + grace_s
-                while time.time() < end and all(c == PEER_FAILED for _, c in bad):
+                while time.time() < end and (all(c == PEER_FAILED for _, c in bad) or procs[0].poll() is None):
                     time.sleep(poll_s)
                     bad = [(r, c) for r, p in enumerate(procs) if (c := p.poll()) not in (None, 0)]
                 failed = next(((r, c) for r, c in bad if c != PEER_FAILED), bad[0])

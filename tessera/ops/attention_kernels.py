@@ -201,6 +201,21 @@ def _gather_sum(lo, hi, perm, dpre, acc, r):
             acc[r, h] += dpre[e, h]
 
 
+@numba.njit(**_INLINE)
+def _reduce_pieces(part, pptr, use_max):
+    """Per heavy row, the max or the in-order sum of its pieces' partials (scalar loops: numba would
+    turn array expressions into one parallel region per piece)."""
+    heads = part.shape[1]
+    red = np.empty((pptr.size - 1, heads), part.dtype)
+    for r in range(pptr.size - 1):
+        for h in range(heads):
+            acc = part[pptr[r], h]
+            for p in range(pptr[r] + 1, pptr[r + 1]):
+                acc = max(acc, part[p, h]) if use_max else acc + part[p, h]
+            red[r, h] = acc
+    return red
+
+
 # ---------------------------------------------------------------------------------- kernels
 @numba.njit(parallel=True, **_JIT)
 def _forward_kernel(indptr, indices, a_src, a_dst, slope, blocks, heavy, rows, pptr, powner, prow, plo, phi, out):
@@ -218,21 +233,18 @@ def _forward_kernel(indptr, indices, a_src, a_dst, slope, blocks, heavy, rows, p
             _scale(lo, hi, out, ms, 1)
     # Heavy rows: per-piece max, combine, per-piece exp-sum, combine, per-piece scale.
     npieces = plo.size
+    if npieces == 0:
+        return
     part = np.empty((npieces, heads), out.dtype)
     for p in numba.prange(npieces):
         _score_max(indices, a_src, a_dst, prow[p], plo[p], phi[p], slope, out, part, p)
-    red = np.empty((rows.size, heads), out.dtype)
-    for r in range(rows.size):
-        red[r] = part[pptr[r]]
-        for p in range(pptr[r] + 1, pptr[r + 1]):
-            for h in range(heads):
-                red[r, h] = max(red[r, h], part[p, h])
+    red = _reduce_pieces(part, pptr, True)
     for p in numba.prange(npieces):
         _exp_sum(plo[p], phi[p], out, red, powner[p], part, p)
-    red[:] = 0
-    for p in range(npieces):
-        red[powner[p]] += part[p]
-    red[:] = 1 / red
+    red = _reduce_pieces(part, pptr, False)
+    for r in range(rows.size):
+        for h in range(heads):
+            red[r, h] = 1 / red[r, h]
     for p in numba.prange(npieces):
         _scale(plo[p], phi[p], out, red, powner[p])
 
@@ -250,18 +262,18 @@ def _backward_dst_kernel(
                 _dot(lo, hi, alpha, grad, d, 0)
                 _d_pre(indices, a_src, a_dst, i, lo, hi, slope, alpha, grad, d, 0, dpre, gdst, i)
     npieces = plo.size
+    if npieces == 0:
+        return
     part = np.empty((npieces, heads), alpha.dtype)
     for p in numba.prange(npieces):
         _dot(plo[p], phi[p], alpha, grad, part, p)
-    red = np.zeros((rows.size, heads), alpha.dtype)
-    for p in range(npieces):
-        red[powner[p]] += part[p]
+    red = _reduce_pieces(part, pptr, False)
     for p in numba.prange(npieces):
         _d_pre(indices, a_src, a_dst, prow[p], plo[p], phi[p], slope, alpha, grad, red, powner[p], dpre, part, p)
+    red = _reduce_pieces(part, pptr, False)
     for r in range(rows.size):
-        gdst[rows[r]] = 0
-    for p in range(npieces):
-        gdst[prow[p]] += part[p]
+        for h in range(heads):
+            gdst[rows[r], h] = red[r, h]
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -273,13 +285,15 @@ def _backward_src_kernel(tindptr, perm, dpre, blocks, heavy, rows, pptr, powner,
             if hi - lo <= heavy:
                 _gather_sum(lo, hi, perm, dpre, gsrc, j)
     npieces = plo.size
+    if npieces == 0:
+        return
     part = np.empty((npieces, heads), dpre.dtype)
     for p in numba.prange(npieces):
         _gather_sum(plo[p], phi[p], perm, dpre, part, p)
+    red = _reduce_pieces(part, pptr, False)
     for r in range(rows.size):
-        gsrc[rows[r]] = 0
-    for p in range(npieces):
-        gsrc[prow[p]] += part[p]
+        for h in range(heads):
+            gsrc[rows[r], h] = red[r, h]
 
 
 def _plan_args(plan: _Plan) -> tuple:
