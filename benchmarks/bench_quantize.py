@@ -13,6 +13,7 @@ best of 10) runs before and after; the percentage uses the higher triad.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -70,18 +71,19 @@ def main(argv: list[str] | None = None) -> None:
         from _runner import wait_for_quiet
 
         _, load = wait_for_quiet(a.wait_quiet)
+    load_before = os.getloadavg()[0]
     ops.set_num_threads(a.threads)
     x = torch.randn(a.rows, a.width, generator=torch.Generator().manual_seed(0))
     triad = [measure_bandwidth(a.threads, dtype="float32")["triad"]]
     rows = [(bits, op, *timed) for bits in a.bits for op, timed in time_bits(x, bits, a.repeats).items()]
     triad.append(measure_bandwidth(a.threads, dtype="float32")["triad"])
+    load_after = os.getloadavg()[0]
     best = max(triad)
 
     print(f"quantize: {a.rows:,} x {a.width} float32, {a.threads} threads, median of {a.repeats} after warm-up")
-    print(
-        f"STREAM triad (float32): {triad[0]:.1f} GB/s before, {triad[1]:.1f} GB/s after"
-        + (f"; load before start {load:.2f} cores" if load is not None else "")
-    )
+    quiet = f"other processes' load before start {load:.2f} cores; " if load is not None else ""
+    print(f"STREAM triad (float32): {triad[0]:.1f} GB/s before, {triad[1]:.1f} GB/s after")
+    print(f"{quiet}1-min load average {load_before:.2f} at start, {load_after:.2f} at end")
     print()
     print("| bits | op | GB moved | reused out ms | GB/s | % triad | new out ms | GB/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
