@@ -104,9 +104,7 @@ def _bytes_worker(rank, world, port, root, out_dir):
 def test_simulator_bytes_equal_measured_bytes(world, planetoid_root, tmp_path, monkeypatch):
     from tessera.sim.volume import runtime_bytes, simulate_volumes
 
-    spawn_with_retry(
-        _bytes_worker, args=(world, free_port(), str(planetoid_root.parent), str(tmp_path)), nprocs=world, join=True
-    )
+    spawn_with_retry(_bytes_worker, args=(world, free_port(), str(planetoid_root.parent), str(tmp_path)), nprocs=world)
     got = json.loads((tmp_path / "bytes.json").read_text())
     monkeypatch.setenv("TESSERA_DATA", str(planetoid_root.parent))
     for ds in ("cora", "synthetic:small"):

@@ -62,9 +62,7 @@ def init_from_env(timeout_s: float) -> Comm:
 
 
 def shutdown(clean: bool = True) -> None:
-    """Leave the process group if one was joined. A clean exit first waits for every rank, so no
-    rank tears gloo down while a peer still talks to it (seen as SIGABRT under heavy load)."""
+    """Leave the process group if one was joined (``clean`` is kept for callers; a barrier here
+    made torchrun-restarted workers fail, so teardown does not wait for peers)."""
     if dist.is_initialized():
-        if clean:
-            dist.barrier()
         dist.destroy_process_group()
