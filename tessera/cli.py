@@ -1,4 +1,4 @@
-"""The ``tessera`` command: ``train`` and ``info``."""
+"""The ``tessera`` command: ``train``, ``info``, ``partition``, ``simulate`` and ``kernels``."""
 
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     from tessera.sim.command import add_parser as add_simulate
 
     add_simulate(sub)
+    from tessera.ops.command import add_parser as add_kernels
+
+    add_kernels(sub)
     return parser
 
 
@@ -186,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tessera.sim.command import run as run_simulate
 
             return run_simulate(args)
+        if args.command == "kernels":
+            from tessera.ops.command import run as run_kernels
+
+            return run_kernels(args)
         return _cmd_info(args)
     except DistributedError as e:
         if os.environ.get("TESSERA_LAUNCHER_PID"):

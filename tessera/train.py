@@ -355,13 +355,20 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
 
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         cfg.resume = True  # a restarted torchrun worker continues from the last checkpoint
-    comm = init_from_env(cfg.timeout) if env_world_size() > 1 else Comm(0, 1, torch.device("cpu"))
-    try:
-        if cfg.parts_dir:  # each rank reads only its own part file
-            from tessera.dist.halo import DistGraph
-            from tessera.graph.partition import load_part
+    world, rank = env_world_size(), int(os.environ.get("RANK", "0"))
+    part = None
+    if cfg.parts_dir:  # each rank reads only its own part file, before joining: a bad file fails alone
+        from tessera.graph.partition import load_part
 
-            graph = DistGraph.from_part(load_part(cfg.parts_dir, comm.rank, expect_parts=comm.world), cfg.remote_agg)
+        part = load_part(cfg.parts_dir, rank, expect_parts=world)
+    comm = Comm(0, 1, torch.device("cpu"))
+    try:
+        if world > 1:
+            comm = init_from_env(cfg.timeout)
+        if part is not None:
+            from tessera.dist.halo import DistGraph
+
+            graph = DistGraph.from_part(part, cfg.remote_agg)
         result = Trainer(cfg, graph, comm).fit()
     except RuntimeError as e:  # gloo/NCCL: a peer died, hung past --timeout, or broke the exchange
         shutdown(clean=False)
@@ -369,7 +376,7 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(
-            f"rank {comm.rank}: a collective failed ({first[:200]}); a peer died or timed out"
+            f"rank {rank}: a collective failed ({first[:200]}); a peer died or timed out"
         ) from None
     except BaseException:
         shutdown(clean=False)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    # Partition and kernel-choice caches go to a fresh folder per test session, not ~/.cache.
+    os.environ["TESSERA_CACHE"] = tempfile.mkdtemp(prefix="tessera-test-cache-")
 
 
 def _planetoid_dir() -> Path | None:

@@ -52,13 +52,26 @@ def init_from_env(timeout_s: float) -> Comm:
     if use_nccl:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            "nccl" if use_nccl else "gloo",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            "nccl" if use_nccl else "gloo", rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout)
         )
     return Comm(rank, world, device)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, a store private to this restart attempt; ``None`` means torch's ``env://``.
+
+    torchrun's agent hosts one store for the whole job, so after a worker dies and the group is
+    restarted the previous attempt's peer addresses are still in it: a restarted rank can read a
+    dead peer's address before the live one overwrites it and fail with "connection refused".
+    Prefixing every key with the attempt number makes each attempt start from an empty namespace."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
 def shutdown(clean: bool = True) -> None:

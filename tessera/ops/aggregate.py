@@ -25,22 +25,31 @@ def _scale_rows(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return t * s.view(-1, *([1] * (t.dim() - 1)))
 
 
+def _resolve(name: str, graph: Graph, x: torch.Tensor, weight, reduce: str, direction: str) -> AggregationBackend:
+    if name == "auto":
+        from tessera.ops.select import choose
+
+        name = choose(graph, x, weight, reduce, direction)
+    return get_backend(name)
+
+
 class _Aggregate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, graph: Graph, reduce: str, backend: AggregationBackend):
-        out = backend.spmm(graph, x, weight)
+    def forward(ctx, x, weight, graph: Graph, reduce: str, name: str):
+        out = _resolve(name, graph, x, weight, reduce, "forward").spmm(graph, x, weight)
         if reduce == "mean":
             out = _scale_rows(out, inv_in_degree(graph, out.dtype))
-        ctx.graph, ctx.reduce, ctx.backend = graph, reduce, backend
+        ctx.graph, ctx.reduce, ctx.name = graph, reduce, name
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)
         return out
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
-        graph, backend = ctx.graph, ctx.backend
+        graph = ctx.graph
         if ctx.reduce == "mean":
             g = _scale_rows(g, inv_in_degree(graph, g.dtype))
+        backend = _resolve(ctx.name, graph, g, weight, ctx.reduce, "backward")
         gx = backend.spmm_t(graph, g, weight) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:
@@ -65,4 +74,6 @@ def aggregate(
         raise ValueError(f"x has {x.shape[0]} rows but the graph has {graph.num_cols} source vertices")
     if weight is not None and weight.shape[0] != graph.num_edges:
         raise ValueError(f"weight has {weight.shape[0]} entries but the graph has {graph.num_edges} edges")
-    return _Aggregate.apply(x, weight, graph, reduce, get_backend(backend))
+    if backend != "auto":
+        get_backend(backend)  # unknown names fail here, before any work
+    return _Aggregate.apply(x, weight, graph, reduce, backend)

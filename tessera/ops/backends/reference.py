@@ -9,6 +9,8 @@ import torch
 from tessera.graph import Graph
 from tessera.ops.registry import register_backend
 
+_SDDMM_CHUNK_FLOATS = 1 << 24  # 64 MiB of float32 per gathered temporary
+
 
 def _csr(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     with warnings.catch_warnings():
@@ -42,7 +44,15 @@ class ReferenceBackend:
         return _matmul(t.indptr, t.indices, values, g.contiguous(), (graph.num_cols, graph.num_rows))
 
     def sddmm_dot(self, graph: Graph, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return (g.index_select(0, graph.dst_index()) * x.index_select(0, graph.src_index())).sum(-1)
+        # In edge chunks: gathering both endpoints for all edges at once would hold two
+        # E x heads x F temporaries (gigabytes for GAT on an arxiv-sized graph).
+        dst, src = graph.dst_index(), graph.src_index()
+        out = g.new_empty((graph.num_edges, *g.shape[1:-1]))
+        step = max(1, _SDDMM_CHUNK_FLOATS // max(1, g[0].numel() if g.shape[0] else 1))
+        for e0 in range(0, graph.num_edges, step):
+            e1 = min(graph.num_edges, e0 + step)
+            torch.sum(g.index_select(0, dst[e0:e1]) * x.index_select(0, src[e0:e1]), -1, out=out[e0:e1])
+        return out
 
 
 register_backend(ReferenceBackend())

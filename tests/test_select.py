@@ -1,0 +1,119 @@
+"""``backend="auto"``: measured choice, on-disk decision cache, and the ``tessera kernels`` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import awkward_graph
+from tessera import ops
+from tessera.cli import main
+from tessera.graph.synthetic import generate
+from tessera.ops import select
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    return tmp_path / "kernels.json"
+
+
+def test_auto_matches_reference_forward_and_backward(cache):
+    g = awkward_graph()
+    w = torch.rand(g.num_edges)
+    for weight in (None, w):
+        for reduce in ("sum", "mean"):
+            x1 = torch.randn(g.num_nodes, 7, requires_grad=True)
+            x2 = x1.detach().clone().requires_grad_()
+            a = ops.aggregate(g, x1, reduce, weight, "auto")
+            b = ops.aggregate(g, x2, reduce, weight, "reference")
+            # Relative to the output's scale: float32 sums in another order differ by rounding.
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+            a.square().sum().backward()
+            b.square().sum().backward()
+            torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5 * float(x2.grad.abs().max()))
+
+
+def test_small_problems_use_the_cost_model_without_measuring(cache, monkeypatch):
+    g = awkward_graph()
+    monkeypatch.setattr(select, "measure", lambda *a, **k: pytest.fail("measured a tiny problem"))
+    name = select.choose(g, torch.randn(g.num_nodes, 4), None, "sum", "forward")
+    assert name in ops.available_backends()
+    assert not cache.exists()
+
+
+def test_measured_choice_is_the_fastest_and_is_reused_from_disk(cache, monkeypatch):
+    g = generate("tiny", seed=0)
+    monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)
+    seen = []
+    real = select.measure
+
+    def spy(*args, **kw):
+        got = real(*args, **kw)
+        seen.append(got)
+        return got
+
+    monkeypatch.setattr(select, "measure", spy)
+    x = torch.randn(g.num_nodes, 32)
+    name = select.choose(g, x, None, "sum", "forward")
+    assert len(seen) == 1 and name == min(seen[0], key=seen[0].get)
+    assert select.choose(g, x, None, "sum", "forward") == name and len(seen) == 1  # memo
+    stored = json.loads(cache.read_text())
+    key = select.decision_key(g, 32, "sum", False, 1, "forward")
+    assert stored[key]["choice"] == name and set(stored[key]["seconds"]) == set(seen[0])
+    # A fresh graph object with the same fingerprint reads the decision instead of measuring.
+    again = generate("tiny", seed=0)
+    monkeypatch.setattr(select, "measure", lambda *a, **k: pytest.fail("measured a cached decision"))
+    assert select.choose(again, x, None, "sum", "forward") == name
+    # The backward direction, another width or another thread count is a different decision.
+    assert select.decision_key(g, 32, "sum", False, 1, "backward") != key
+    assert select.decision_key(g, 64, "sum", False, 1, "forward") != key
+
+
+def test_unreadable_cache_file_is_ignored(cache, monkeypatch):
+    cache.write_text("{not json")
+    g = generate("tiny", seed=0)
+    monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)
+    name = select.choose(g, torch.randn(g.num_nodes, 8), None, "sum", "backward")
+    assert json.loads(cache.read_text())[select.decision_key(g, 8, "sum", False, 1, "backward")]["choice"] == name
+
+
+def test_kernels_command_reports_every_backend_and_the_choice(cache, capsys):
+    assert main(["kernels", "--dataset", "synthetic:tiny", "--width", "8,16", "--reps", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["width"], r["direction"]) for r in out["rows"]] == [
+        (8, "forward"),
+        (8, "backward"),
+        (16, "forward"),
+        (16, "backward"),
+    ]
+    for r in out["rows"]:
+        assert set(r["seconds"]) == set(ops.available_backends())
+        assert r["choice"] in r["seconds"] and all(v > 0 for v in r["gbps"].values())
+    assert main(["kernels", "--dataset", "synthetic:tiny", "--width", "8", "--reps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "choice" in text and str(cache) in text
+
+
+@pytest.mark.parametrize("argv", [["--width", "0"], ["--width", "a,b"], ["--reduce", "max"], ["--reps", "0"]])
+def test_kernels_command_bad_flags_are_one_line_errors(cache, capsys, argv):
+    assert main(["kernels", "--dataset", "synthetic:tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error" in err[0], err
+
+
+def test_cora_accuracy_does_not_depend_on_the_backend(planetoid_root, cache, monkeypatch, tmp_path):
+    from tessera.config import TrainConfig
+    from tessera.train import train
+
+    monkeypatch.setenv("TESSERA_DATA", str(planetoid_root.parent))
+    monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)  # auto measures even on Cora
+    acc = {}
+    for backend in ["auto", *ops.available_backends()]:
+        cfg = TrainConfig(dataset="cora", epochs=200, seed=0, backend=backend, out=str(tmp_path / backend), progress=False)
+        acc[backend] = train(cfg)["test_acc"]
+    assert acc["reference"] > 0.78, acc
+    for backend, a in acc.items():
+        assert abs(a - acc["reference"]) <= 0.005, acc
