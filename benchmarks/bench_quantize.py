@@ -1,12 +1,14 @@
 """Throughput of tessera.dist.quantize next to STREAM bandwidth measured in the same run.
 
 Encodes and decodes a ``--rows`` x ``--width`` float32 block at 8, 4 and 2 bits on ``--threads``
-threads. GB/s is (bytes read + bytes written) / time in 10^9 B/s, from the median of
-``--repeats`` runs after a warm-up, counted the STREAM way (no write-allocate traffic). "reused
-out" writes into a preallocated tensor (the kernel alone); "new out" lets encode/decode allocate
-as the halo exchange does, so it also pays the page faults of fresh memory. STREAM triad
-(float32 arrays of 200 MB, best of 5) is measured right before each operation, so a machine
-shared with other jobs compares like with like; "best" is the fastest single run.
+threads, in the wire format the halo exchange sends (one scale and zero point per ``--group`` rows,
+default ``tessera.dist.wire.GROUP_ROWS``; the rows split into ``--blocks`` equal per-peer blocks).
+GB/s is (bytes read + bytes written) / time in 10^9 B/s, from the median of ``--repeats`` runs
+after a warm-up, counted the STREAM way (no write-allocate traffic). "reused out" writes into a
+preallocated tensor, as the halo exchange does with its persistent per-(layer, direction)
+buffers; "new out" lets encode/decode allocate, so it also pays the page faults of fresh memory.
+STREAM triad (float32 arrays of 200 MB, best of 5) is measured right before each operation, so a
+machine shared with other jobs compares like with like; "best" is the fastest single run.
 
     python benchmarks/bench_quantize.py --threads 2
 """
@@ -23,7 +25,8 @@ import torch
 from stream import measure_bandwidth
 
 from tessera import ops
-from tessera.dist.quantize import decode, encode, record_bytes
+from tessera.dist.quantize import decode, encode
+from tessera.dist.wire import group_rows, wire_bytes
 
 
 def times_s(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -37,14 +40,21 @@ def times_s(fn: Callable[[], object], repeats: int) -> list[float]:
     return out
 
 
-def measure(x: torch.Tensor, bits: int, threads: int, repeats: int) -> list[dict[str, float]]:
+def measure(x: torch.Tensor, bits: int, threads: int, repeats: int, group: int, blocks: int) -> list[dict[str, float]]:
     """One result per operation: GB moved, triad just before, reused-out and new-out times."""
     rows, width = x.shape
-    buf = torch.empty(rows, record_bytes(width, bits)[1], dtype=torch.uint8)
+    splits = [rows // blocks + (i < rows % blocks) for i in range(blocks)]
+    buf = torch.empty(sum(int(wire_bytes(n, width, bits, group)) for n in splits), dtype=torch.uint8)
     dec = torch.empty(rows, width)
     runs = {
-        "encode": (lambda: encode(x, bits, 1, out=buf), lambda: encode(x, bits, 1)),
-        "decode": (lambda: decode(buf, width, bits, out=dec), lambda: decode(buf, width, bits)),
+        "encode": (
+            lambda: encode(x, bits, 1, out=buf, splits=splits, group=group),
+            lambda: encode(x, bits, 1, splits=splits, group=group),
+        ),
+        "decode": (
+            lambda: decode(buf, width, bits, splits, out=dec, group=group),
+            lambda: decode(buf, width, bits, splits, group=group),
+        ),
     }
     results = []
     for op, (reused, fresh) in runs.items():
@@ -66,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bits", type=int, nargs="+", default=[8, 4, 2])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--group", type=int, help="rows per scale and zero point (default: the wire format's)")
+    p.add_argument("--blocks", type=int, default=1, help="per-peer blocks the rows are split into (default 1)")
     p.add_argument(
         "--wait-quiet", type=float, default=0.0, metavar="S", help="first wait up to S s for a quiet machine"
     )
@@ -80,9 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     ops.set_num_threads(a.threads)
     x = torch.randn(a.rows, a.width, generator=torch.Generator().manual_seed(0))
-    results = [r for bits in a.bits for r in measure(x, bits, a.threads, a.repeats)]
+    group = group_rows(a.group)
+    results = [r for bits in a.bits for r in measure(x, bits, a.threads, a.repeats, group, a.blocks)]
 
-    print(f"quantize: {a.rows:,} x {a.width} float32, {a.threads} threads, median of {a.repeats} after warm-up")
+    print(
+        f"quantize: {a.rows:,} x {a.width} float32, groups of {group} rows, {a.blocks} block(s), {a.threads} threads, "
+        f"median of {a.repeats} after warm-up"
+    )
     print(f"{quiet}1-min load average {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     print()
     print("| bits | op | GB moved | triad GB/s | reused out ms | GB/s | % triad | best ms | new out ms | GB/s |")

@@ -48,6 +48,7 @@ class TrainConfig:
     comm_bits: int = 32
     norm: str = "none"
     label_prop: float = 0.0
+    reorder: str = "auto"
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for out-of-range values; returns self."""
@@ -79,6 +80,10 @@ class TrainConfig:
             (self.comm_bits in (32, 8, 4, 2), f"--comm-bits must be 32, 8, 4 or 2, got {self.comm_bits}"),
             (self.norm in ("none", "layer"), f"--norm must be none or layer, got {self.norm!r}"),
             (0.0 <= self.label_prop < 1.0, f"--label-prop must be in [0, 1), got {self.label_prop}"),
+            (
+                self.reorder in ("auto", "none", "rcm", "metis", "degree"),
+                f"--reorder must be auto, none, rcm, metis or degree, got {self.reorder!r}",
+            ),
         ]
         for ok, msg in checks:
             if not ok:

@@ -8,6 +8,7 @@ import os
 import resource
 import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,8 @@ class Trainer:
             ops.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         splits = ("train", "val", "test")
+        self.order = None  # a locality renumbering (--reorder), when training in one
+        self._fingerprint: str | None = None  # the caller's graph's, when self.graph is renumbered
         if hasattr(graph, "distributed_aggregate"):  # already one rank's part (from --parts-dir)
             local = torch.tensor(
                 [float(getattr(graph, f"{k}_mask").sum()) for k in splits] + [float((graph.x < 0).sum())]
@@ -93,12 +96,16 @@ class Trainer:
             if self.comm.world > 1:
                 graph = self._shard(graph)
                 x = x[graph.owned]
+            else:
+                graph, x = self._reorder(graph, x)
+        if hasattr(graph, "distributed_aggregate") and cfg.reorder not in ("auto", "none") and self.is_main:
+            warnings.warn(f"--reorder {cfg.reorder} is ignored in distributed runs", RuntimeWarning, stacklevel=2)
         self.graph = graph
         self.x, self.y = x, graph.y
         self.idx = {k: getattr(graph, f"{k}_mask").nonzero().view(-1) for k in ("train", "val", "test")}
         self.model = build_model(
             cfg.model,
-            graph.num_features,
+            x.shape[1],
             cfg.hidden,
             graph.num_classes,
             cfg.layers,
@@ -115,6 +122,8 @@ class Trainer:
             self.log = CommLog(self.comm.rank, self.comm.world)
             graph.configure_comm(cfg.comm_bits, self.log)
         self.global_ids = graph.owned if hasattr(graph, "owned") else torch.arange(graph.num_nodes)
+        if self.order is not None:
+            self.global_ids = self.order.perm  # original id of every training row
         self.comm_totals: dict[str, Any] = {}
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
@@ -124,6 +133,26 @@ class Trainer:
         self.history: list[dict[str, float]] = []
 
     # ------------------------------------------------------------------ one epoch
+    def _reorder(self, graph: Graph, x: torch.Tensor) -> tuple[Graph, torch.Tensor]:
+        """Renumber the vertices for cache locality (``--reorder``; ``auto`` measures large graphs).
+        Training runs in the new numbering; everything user-visible stays in the caller's:
+        ``predict`` un-permutes, accuracies and losses are sums over the same vertex sets, and
+        checkpoints hold only order-free state plus the caller's graph fingerprint. The hashed
+        dropout masks are keyed by row position, so a renumbered run draws different (equally
+        distributed) masks than an unnumbered one with the same seed."""
+        from tessera.graph.reorder import VertexOrder, resolve
+
+        method = resolve(graph, self.cfg.reorder, self.cfg.hidden, self.cfg.backend)
+        if method == "none":
+            return graph, x
+        self._fingerprint = graph.fingerprint()
+        self.order = VertexOrder.of(graph, method, self.cfg.hidden)
+        return self.order.permute(graph, features=False), self.order.to_new(x)
+
+    def fingerprint(self) -> str:
+        """Fingerprint of the graph as the caller numbered it (what checkpoints are tied to)."""
+        return self._fingerprint if self._fingerprint is not None else self.graph.fingerprint()
+
     def _shard(self, graph: Graph):
         from tessera.dist.halo import DistGraph
         from tessera.graph.partition import partition
@@ -185,13 +214,22 @@ class Trainer:
         res["val_loss"] = float(tot[3] / max(self.counts["val"], 1))
         return res
 
+    @torch.no_grad()
+    def predict(self) -> torch.Tensor:
+        """Logits of every vertex with the current weights (eval mode), rows in the caller's vertex
+        order (on a rank of a distributed run: its owned vertices, ``global_ids``)."""
+        self.model.eval()
+        rows = self.idx["train"] if self.cfg.label_prop > 0 else None
+        logits = self.model(self.x, self.graph, rows, None if rows is None else self.y[rows])
+        return logits if self.order is None else self.order.to_original(logits)
+
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, Any]:
         """Everything needed to continue this run bit-for-bit."""
         return {
             "format": 1,
             "config": self.cfg.to_dict(),
-            "graph": self.graph.fingerprint(),
+            "graph": self.fingerprint(),
             "epoch": self.epoch,
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
@@ -203,7 +241,7 @@ class Trainer:
 
     def load_state(self, ckpt: dict[str, Any]) -> None:
         """Restore a checkpoint written by :meth:`state`, after checking it belongs to this run."""
-        if ckpt.get("graph") != self.graph.fingerprint():
+        if ckpt.get("graph") != self.fingerprint():
             raise ConfigError(
                 f"checkpoint in {self.out} was written for a different graph; use another --out or drop --resume"
             )
@@ -325,6 +363,7 @@ class Trainer:
             "epoch_time_median_s": statistics.median(times) if times else 0.0,
             "peak_rss_mb": peak_rss_mb(),
             "num_params": sum(p.numel() for p in self.model.parameters()),
+            "vertex_order": "none" if self.order is None else self.order.method,
             "config": self.cfg.to_dict(),
         }
         if not self.is_main:
@@ -375,9 +414,7 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
         if os.environ.get("TESSERA_DEBUG"):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(
-            f"rank {rank}: a collective failed ({first[:200]}); a peer died or timed out"
-        ) from None
+        raise DistributedError(f"rank {rank}: a collective failed ({first[:200]}); a peer died or timed out") from None
     except BaseException:
         shutdown(clean=False)
         raise

@@ -112,8 +112,10 @@ def test_cora_accuracy_does_not_depend_on_the_backend(planetoid_root, cache, mon
     monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)  # auto measures even on Cora
     acc = {}
     for backend in ["auto", *ops.available_backends()]:
-        cfg = TrainConfig(dataset="cora", epochs=200, seed=0, backend=backend, out=str(tmp_path / backend), progress=False)
+        cfg = TrainConfig(
+            dataset="cora", epochs=200, seed=0, backend=backend, out=str(tmp_path / backend), progress=False
+        )
         acc[backend] = train(cfg)["test_acc"]
     assert acc["reference"] > 0.78, acc
-    for backend, a in acc.items():
+    for a in acc.values():
         assert abs(a - acc["reference"]) <= 0.005, acc

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.dist.wire import row_bytes
+from tessera.dist.wire import block_bytes
 
 FORWARD, BACKWARD = 0, 1
 _TIMES = ("exchange_s", "quantize_s", "compute_s")
@@ -38,15 +38,15 @@ class CommLog:
         return layer
 
     def record(self, layer: int, direction: int, counts: list[int], width: int, bits: int) -> None:
-        """Count rows sent to each peer at ``width`` and ``bits`` (training passes only)."""
+        """Count the blocks of ``counts[peer]`` rows sent to each peer at ``width`` and ``bits``, as
+        ``tessera.dist.wire.block_bytes`` sizes them on the wire (training passes only)."""
         if self.phase != "train":
             return
-        data, params = row_bytes(width, bits)
         for peer, rows in enumerate(counts):
             if rows:
-                for kind, b in ((0, data), (1, params)):
+                for kind, b in enumerate(block_bytes(rows, width, bits)):
                     key = (layer, direction, peer, kind)
-                    self._bytes[key] = self._bytes.get(key, 0) + rows * b
+                    self._bytes[key] = self._bytes.get(key, 0) + b
 
     def add_time(self, layer: int, direction: int, name: str, seconds: float) -> None:
         """Accumulate time spent in exchange, quantization or local compute."""
@@ -69,7 +69,11 @@ class CommLog:
         comm.all_reduce_sum(t)
         self._bytes.clear()
         self._times.clear()
-        return {"bytes_data": b[0].tolist(), "bytes_params": b[1].tolist(), **{n: t[i].tolist() for i, n in enumerate(_TIMES)}}
+        return {
+            "bytes_data": b[0].tolist(),
+            "bytes_params": b[1].tolist(),
+            **{n: t[i].tolist() for i, n in enumerate(_TIMES)},
+        }
 
 
 class Timer:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tessera.dist.accounting import BACKWARD, FORWARD, CommLog, Timer
 from tessera.dist.plan import RankPlan, build_rank_plan, plan_from_part
-from tessera.dist.wire import row_bytes
+from tessera.dist.wire import check_bits, wire_bytes
 from tessera.errors import ConfigError, GraphError
 from tessera.graph import Graph
 from tessera.graph.graph import Memo
@@ -100,6 +100,7 @@ class DistGraph(Memo):
         self.scale = scale  # GCN's dis, applied to the input and the output rows
         self.bits = 32  # --comm-bits of the exchange
         self.log: CommLog | None = None
+        self._buffers: dict = {}  # persistent quantized send/receive buffers, see _buffer
         self.global_num_nodes, self.global_num_edges = global_size
         self._cache: dict = {}
 
@@ -116,7 +117,15 @@ class DistGraph(Memo):
             wsum = np.zeros(graph.num_nodes)
             np.add.at(wsum, graph.dst_index().numpy(), w.astype(np.float64))
             deg = wsum[plan.owned]
-        return cls(plan, deg, data, graph.fingerprint(), graph.name, graph.num_classes, global_size=(graph.num_nodes, graph.num_edges))
+        return cls(
+            plan,
+            deg,
+            data,
+            graph.fingerprint(),
+            graph.name,
+            graph.num_classes,
+            global_size=(graph.num_nodes, graph.num_edges),
+        )
 
     @classmethod
     def from_part(cls, data: dict[str, Any], mode: str) -> DistGraph:
@@ -137,7 +146,15 @@ class DistGraph(Memo):
         if "y" in node:
             node["y"] = node["y"].long()
         size = (int(meta.get("num_nodes", data["num_nodes"])), int(meta.get("num_edges", 0)))
-        return cls(plan, deg, node, str(data["fingerprint"]), meta.get("name", "graph"), meta.get("num_classes"), global_size=size)
+        return cls(
+            plan,
+            deg,
+            node,
+            str(data["fingerprint"]),
+            meta.get("name", "graph"),
+            meta.get("num_classes"),
+            global_size=size,
+        )
 
     # ------------------------------------------------------------------ the Graph surface
     @property
@@ -196,14 +213,26 @@ class DistGraph(Memo):
         deg = self.plan.in_degree_global - loops_per_row + 1
         plan = replace(self.plan, A=A, in_degree_global=deg)
         in_weight = self._in_weight - (old_loop_w if w is not None else loops_per_row) + loop_w
-        return self._derive(DistGraph(plan, in_weight, self.node_data, self._fingerprint, self.name, self.num_classes, global_size=self.global_size))
+        return self._derive(
+            DistGraph(
+                plan,
+                in_weight,
+                self.node_data,
+                self._fingerprint,
+                self.name,
+                self.num_classes,
+                global_size=self.global_size,
+            )
+        )
 
     def gcn_norm(self, add_self_loops: bool = True, improved: bool = False) -> DistGraph:
         """The view with GCN's symmetric normalisation, as row/column scales by ``D^-1/2``."""
         g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
         dis = np.where(g._in_weight > 0, 1.0 / np.sqrt(np.maximum(g._in_weight, 1e-300)), 0.0)
         scale = torch.from_numpy(dis.astype(np.float32))
-        return self._derive(DistGraph(g.plan, g._in_weight, g.node_data, g._fingerprint, g.name, g.num_classes, scale, self.global_size))
+        return self._derive(
+            DistGraph(g.plan, g._in_weight, g.node_data, g._fingerprint, g.name, g.num_classes, scale, self.global_size)
+        )
 
     def _derive(self, view: DistGraph) -> DistGraph:
         view.bits, view.log = self.bits, self.log
@@ -211,38 +240,59 @@ class DistGraph(Memo):
 
     def configure_comm(self, bits: int, log: CommLog | None) -> DistGraph:
         """Set the exchange's bit width and the log that counts its bytes; returns self."""
-        row_bytes(1, bits)  # validates bits
-        self.bits, self.log = bits, log
+        self.bits, self.log = check_bits(bits), log
         return self
 
     # ------------------------------------------------------------------ communication
+    def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor kept across calls for ``key`` = (kind, layer, direction, width): the quantized
+        exchange reuses its send, receive and decoded buffers every epoch instead of allocating
+        (and page-faulting) them per call. Safe because a (layer, direction) exchange is finished
+        and its decoded rows consumed (``R``/``S`` products) before the same exchange runs again."""
+        buf = self._buffers.get(key)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype)
+        return buf
+
     def exchange(self, inp: torch.Tensor, out_rows: int, direction: int, layer: int):
         """Start sending ``inp``'s rows (forward splits, or reversed for backward): quantized to
-        ``bits`` when below 32, counted in the log. Returns a handle for :meth:`finish`."""
-        send, recv = (self.send_counts, self.recv_counts) if direction == FORWARD else (self.recv_counts, self.send_counts)
-        width = int(inp.shape[1]) if inp.dim() > 1 else 1
+        ``bits`` when below 32, each peer's block in its slice of one flat byte buffer
+        (``tessera.dist.wire.block_bytes`` sizes them), counted in the log. Returns a handle for
+        :meth:`finish`."""
+        send, recv = (
+            (self.send_counts, self.recv_counts) if direction == FORWARD else (self.recv_counts, self.send_counts)
+        )
+        width = int(np.prod(inp.shape[1:])) if inp.dim() > 1 else 1
         if self.log is not None:
             self.log.record(layer, direction, send, width, self.bits)
         if self.bits == 32:
             payload, out = inp.contiguous(), inp.new_empty((out_rows, *inp.shape[1:]))
+            send_split, recv_split = send, recv
         else:
             from tessera.dist.quantize import encode
 
+            send_split = [int(b) for b in wire_bytes(np.asarray(send), width, self.bits)]
+            recv_split = [int(b) for b in wire_bytes(np.asarray(recv), width, self.bits)]
             seed = int(torch.randint(0, 2**62, (1,)).item())
+            key = (layer, direction, width)
+            payload = self._buffer(("send", *key), (sum(send_split),), torch.uint8)
             with Timer(self.log, layer, direction, "quantize_s"):
-                payload = encode(inp.reshape(inp.shape[0], -1).float(), self.bits, seed)
-            out = torch.empty((out_rows, payload.shape[1]), dtype=torch.uint8)
+                encode(inp.reshape(inp.shape[0], width).float(), self.bits, seed, out=payload, splits=send)
+            out = self._buffer(("recv", *key), (sum(recv_split),), torch.uint8)
         with Timer(self.log, layer, direction, "exchange_s"):
             if self.world == 1:
                 out.copy_(payload)
                 work = None
             else:
-                work = dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=send, async_op=True)
-        return work, out, width, inp.dtype
+                work = dist.all_to_all_single(
+                    out, payload, output_split_sizes=recv_split, input_split_sizes=send_split, async_op=True
+                )
+        return work, out, recv, tuple(inp.shape[1:]), inp.dtype
 
     def finish(self, pending, layer: int, direction: int) -> torch.Tensor:
-        """Wait for :meth:`exchange` and return the received rows as floats."""
-        work, out, width, dtype = pending
+        """Wait for :meth:`exchange` and return the received rows as floats (below 32 bits, in a
+        buffer reused by the next exchange of the same layer and direction)."""
+        work, out, recv, shape, dtype = pending
         with Timer(self.log, layer, direction, "exchange_s"):
             if work is not None:
                 work.wait()
@@ -250,13 +300,20 @@ class DistGraph(Memo):
             return out
         from tessera.dist.quantize import decode
 
+        width = int(np.prod(shape)) if shape else 1
+        rows = self._buffer(("decoded", layer, direction, width), (sum(recv), width), torch.float32)
         with Timer(self.log, layer, direction, "quantize_s"):
-            return decode(out, width, self.bits).to(dtype)
+            decode(out, width, self.bits, recv, out=rows)
+        return rows.view(rows.shape[0], *shape).to(dtype)
 
-    def distributed_aggregate(self, x: torch.Tensor, reduce: str, weight: torch.Tensor | None, backend: str) -> torch.Tensor:
+    def distributed_aggregate(
+        self, x: torch.Tensor, reduce: str, weight: torch.Tensor | None, backend: str
+    ) -> torch.Tensor:
         """``ops.aggregate`` on this rank: local product plus the halo exchange."""
         if weight is not None:
-            raise ConfigError("edge-weighted aggregation (GAT attention) is single-process only for now; run GAT without --nprocs")
+            raise ConfigError(
+                "edge-weighted aggregation (GAT attention) is single-process only for now; run GAT without --nprocs"
+            )
         if x.shape[0] != self.num_nodes:
             raise ValueError(f"x has {x.shape[0]} rows but rank {self.rank} owns {self.num_nodes} vertices")
         shape = (-1, *([1] * (x.dim() - 1)))

@@ -1,27 +1,34 @@
 """Stochastic integer quantization of exchanged feature rows (SuperGCN §2.4, §7.3).
 
-Each row gets its own zero point ``Z = min`` and scale ``S = (max - min) / (2**b - 1)`` (rounded
-up to a float32); a value becomes ``q = floor((x - Z) / S + u)``, clamped to ``[0, 2**b - 1]``,
-with ``u`` uniform in (0, 1) from a counter-based hash of (seed, row, column). The rounding is
+Rows are quantized in groups of ``G`` consecutive rows (``tessera.dist.wire.GROUP_ROWS``, 4 by
+default; a block's last group may be shorter, and no group spans two blocks). Each group gets one
+zero point ``Z = min`` and scale ``S = (max - min) / (2**b - 1)`` over all its values (rounded up
+to a float32); a value becomes ``q = floor((x - Z) / S + u)``, clamped to ``[0, 2**b - 1]``, with
+``u`` uniform in (0, 1) from a counter-based hash of (seed, row, column). The rounding is
 unbiased, ``E[q * S + Z] = x`` up to 16-bit ``u`` and float32 arithmetic (under ``2e-4 * S``),
-the same for any thread count, and needs no state. Every worker encodes what it sends and
-decodes what it receives on its own (decentralised, §7.3 (1)). The kernel is fused (§7.3 (2)):
-one pass finds a row's min and max, the second quantizes and packs the row while it is still in
-cache, multiplying by a reciprocal instead of dividing (§7.3 (3)).
+the same for any thread count, block split or group size, and needs no state. Every worker
+encodes what it sends and decodes what it receives on its own (decentralised, §7.3 (1)). The
+kernel is fused (§7.3 (2)): one pass finds the group's min and max, the second quantizes and
+packs its rows while they are still in cache, multiplying by a reciprocal instead of dividing
+(§7.3 (3)).
 
-Wire layout, one ``uint8`` record of ``sum(row_bytes(width, bits))`` bytes per row::
+Wire layout: a flat ``uint8`` buffer holds one block per peer, back to back; a block of ``n``
+rows is ``ceil(n / G)`` group records, ``sum(tessera.dist.wire.block_bytes(n, width, bits))``
+bytes in all; a group of ``m <= G`` rows is::
 
-    [ceil(width * bits / 8) data bytes][scale: float32 LE][zero: float32 LE]
+    [row 0: ceil(width * bits / 8) data bytes] ... [row m - 1 data][scale: float32 LE][zero: float32 LE]
 
-Value ``j`` sits in data byte ``j // (8 // bits)`` at bit offset ``(j % (8 // bits)) * bits``
-(the first value in the low bits); unused bits of the last byte are zero.
+Value ``j`` of a row sits in its data byte ``j // (8 // bits)`` at bit offset
+``(j % (8 // bits)) * bits`` (the first value in the low bits); unused bits of a row's last byte
+are zero. :func:`layout` gives each block's first row, group and byte.
 
-A constant row gets ``S = 0`` and decodes exactly. A row holding inf or nan is sent as
-``S = Z = nan`` with zero data and decodes to all-nan: non-finite values propagate as through an
-fp32 exchange, and the sender does not raise (which would leave its peers waiting in
-``all_to_all``). Rows whose span overflows float32 (``max - min > 3.4e38``) or whose scale is
-subnormal are quantized in float64, so every finite row decodes to within one step ``S`` of its
-input, plus the float32 rounding of the result.
+A constant group gets ``S = 0`` and decodes exactly. A group holding inf or nan is sent as
+``S = Z = nan`` with zero data and decodes to all-nan (its ``G`` rows): non-finite values
+propagate as through an fp32 exchange, if a little wider, and the sender does not raise (which
+would leave its peers waiting in ``all_to_all``). Groups whose span overflows float32
+(``max - min > 3.4e38``) or whose scale is subnormal are quantized in float64, so every finite
+value decodes to within one step ``S`` of its group of the input, plus the float32 rounding of
+the result.
 
 The random bits come from lowbias32, the hash of :mod:`tessera.ops.dropout`, one hash per two
 values (16 bits each), written as 32-bit LLVM IR because numba would widen it to 64-bit lanes;
@@ -38,7 +45,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from tessera.dist.wire import row_bytes
+from tessera.dist.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
 from tessera.ops.dropout import _hash32
 from tessera.ops.threads import sync_numba_threads
 
@@ -57,6 +64,7 @@ _I32 = ir.IntType(32)
 # nearly halves decode's memory traffic.
 _STREAM_BYTES = 32 << 20
 _CHUNK = 64  # rows per parallel work item in decode
+_PARAMS = PARAM_BYTES
 
 
 def _lowbias32(builder, v):
@@ -234,53 +242,82 @@ def _scale(mn, mx, qmax):
     return span, scale
 
 
+@numba.njit(inline="always")
+def _row_key(r, skey):
+    # The hash key of row r of the encoded tensor: each value's random bits depend on (seed, row,
+    # column) only, not on blocks, groups or threads.
+    return _hash_u32(
+        np.uint32(_hash_u32(np.uint32(r >> 32) ^ skey) + np.uint32(r & 0xFFFFFFFF) * np.uint32(0x9E3779B9))
+    )
+
+
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
-def _encode_rare(row, rec, bits, ndata, lo, hi, key):
-    # Rows the float32 path cannot take: non-finite values, spans beyond float32, subnormal
-    # scales, width 0. Out of line to keep the hot loop small.
-    if row.shape[0] == 0:
-        _put_f32(rec, ndata, np.float32(0.0))
-        _put_f32(rec, ndata + 4, np.float32(0.0))
+def _encode_rare(rows, rec, bits, ndata, lo, hi, r0, skey):
+    # Groups the float32 path cannot take: non-finite values, spans beyond float32, subnormal
+    # scales, width 0. ``rows`` are the group's rows, ``rec`` its bytes. Out of line to keep the
+    # hot loop small.
+    m, width = rows.shape
+    pofs = m * ndata
+    if width == 0:
+        _put_f32(rec, pofs, np.float32(0.0))
+        _put_f32(rec, pofs + 4, np.float32(0.0))
     elif hi >= _POS_INF or lo <= _NEG_INF:
-        rec[:ndata] = 0
-        _put_f32(rec, ndata, np.float32(np.nan))
-        _put_f32(rec, ndata + 4, np.float32(np.nan))
+        rec[:pofs] = 0
+        _put_f32(rec, pofs, np.float32(np.nan))
+        _put_f32(rec, pofs + 4, np.float32(np.nan))
     else:
         mn = _bits_f32(_order(lo))
         span, scale = _scale(mn, _bits_f32(_order(hi)), np.float64(2**bits - 1))
         inv = 1.0 / np.float64(scale) if scale > 0 else 0.0
-        _pack(row, rec, bits, np.float64(mn), inv, np.float64(2**bits), key)
-        _put_f32(rec, ndata, scale)
-        _put_f32(rec, ndata + 4, mn)
+        for i in range(m):
+            rr = rec[i * ndata : (i + 1) * ndata]
+            _pack(rows[i], rr, bits, np.float64(mn), inv, np.float64(2**bits), _row_key(r0 + i, skey))
+        _put_f32(rec, pofs, scale)
+        _put_f32(rec, pofs + 4, mn)
+
+
+@numba.njit(inline="always")
+def _locate(g, b, group, stride, ndata, rstart, gstart, bstart):
+    # Group g of block b: its first row, its number of rows (short at the block's end), the
+    # offset of its bytes and of its parameters.
+    k = g - gstart[b]
+    r0 = rstart[b] + k * group
+    m = min(group, rstart[b + 1] - r0)
+    off = bstart[b] + k * stride
+    return r0, m, off, off + m * ndata
 
 
 @numba.njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
-def _encode(x, out, bits, ndata, seed_lo, seed_hi):
-    rows, width = x.shape
+def _encode(x, out, bits, ndata, group, rstart, gstart, bstart, seed_lo, seed_hi):
+    width = x.shape[1]
     qmax, top = np.float64(2**bits - 1), np.float32(2**bits)
     skey = np.uint32(_hash32(_hash32(seed_lo) ^ seed_hi))
     xb = x.view(np.int32)
-    for r in numba.prange(rows):
-        row, keys, rec = x[r], xb[r], out[r]
+    stride = group * ndata + _PARAMS
+    for g in numba.prange(gstart[-1]):
+        b = np.searchsorted(gstart, g, side="right") - 1
+        r0, m, off, pofs = _locate(g, b, group, stride, ndata, rstart, gstart, bstart)
+        # Pass 1: the group's min and max (its rows then sit in L1 for pass 2).
         lo, hi = _ABS, ~_ABS
-        for j in range(width):
-            o = _order(keys[j])
-            lo = _min32(lo, o)
-            hi = _max32(hi, o)
-        key = _hash_u32(
-            np.uint32(_hash_u32(np.uint32(r >> 32) ^ skey) + np.uint32(r & 0xFFFFFFFF) * np.uint32(0x9E3779B9))
-        )
+        for r in range(r0, r0 + m):
+            keys = xb[r]
+            for j in range(width):
+                o = _order(keys[j])
+                lo = _min32(lo, o)
+                hi = _max32(hi, o)
         mn = _bits_f32(_order(lo))
-        span, scale = _scale(mn, _bits_f32(_order(hi)), qmax)  # nan for non-finite rows and width 0
+        span, scale = _scale(mn, _bits_f32(_order(hi)), qmax)  # nan for non-finite groups and width 0
         # qmax / span rather than 1 / scale keeps the division off the scale's rounding: a shorter
-        # dependency chain before the row can be packed; the two differ by under 2**-22.
+        # dependency chain before the rows can be packed; the two differ by under 2**-22.
         inv = np.float32(qmax / span) if span > 0 else np.float32(0.0)
         if span <= _F32_MAX and (scale >= _F32_TINY or scale == 0):
-            _pack(row, rec, bits, mn, inv, top, key)
-            _put_f32(rec, ndata, scale)
-            _put_f32(rec, ndata + 4, mn)
+            for i in range(m):
+                rec = out[off + i * ndata : off + (i + 1) * ndata]
+                _pack(x[r0 + i], rec, bits, mn, inv, top, _row_key(r0 + i, skey))
+            _put_f32(out, pofs, scale)
+            _put_f32(out, pofs + 4, mn)
         else:
-            _encode_rare(row, rec, bits, ndata, lo, hi, key)
+            _encode_rare(x[r0 : r0 + m], out[off : pofs + _PARAMS], bits, ndata, lo, hi, r0, skey)
 
 
 def _stream16(bits: int):
@@ -357,38 +394,57 @@ def _unpack(rec, o, bits, s, z):
 
 
 @numba.njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
-def _decode(buf, out, bits, ndata, stream):
-    rows, width = out.shape
-    for c in numba.prange((rows + _CHUNK - 1) // _CHUNK):
-        for r in range(c * _CHUNK, min(rows, (c + 1) * _CHUNK)):
-            rec, o = buf[r], out[r]
-            s, z = _get_f32(rec, ndata), _get_f32(rec, ndata + 4)
-            if not abs(np.float64(z)) + np.float64(s) * (2**bits - 1) < _F32_HALF:
-                _unpack(rec, o, bits, np.float64(s), np.float64(z))  # q * S + Z could overflow float32
-            elif not stream:
-                _unpack(rec, o, bits, s, z)
-            elif bits == 8:
-                for k in range(width // 16):
-                    _stream16_8(rec, o, k, s, z)
-            elif bits == 4:
-                for k in range(width // 16):
-                    _stream16_4(rec, o, k, s, z)
-            else:
-                for k in range(width // 16):
-                    _stream16_2(rec, o, k, s, z)
+def _decode(buf, out, bits, ndata, group, rstart, gstart, bstart, stream):
+    width = out.shape[1]
+    ngroups = gstart[-1]
+    stride = group * ndata + _PARAMS
+    chunk = max(1, _CHUNK // group)  # groups per parallel work item
+    for c in numba.prange((ngroups + chunk - 1) // chunk):
+        g0 = c * chunk
+        b = np.searchsorted(gstart, g0, side="right") - 1
+        for g in range(g0, min(ngroups, g0 + chunk)):
+            while gstart[b + 1] <= g:
+                b += 1
+            r0, m, off, pofs = _locate(g, b, group, stride, ndata, rstart, gstart, bstart)
+            s, z = _get_f32(buf, pofs), _get_f32(buf, pofs + 4)
+            wide = not abs(np.float64(z)) + np.float64(s) * (2**bits - 1) < _F32_HALF
+            for i in range(m):
+                rec, o = buf[off + i * ndata : off + (i + 1) * ndata], out[r0 + i]
+                if wide:
+                    _unpack(rec, o, bits, np.float64(s), np.float64(z))  # q * S + Z could overflow float32
+                elif not stream:
+                    _unpack(rec, o, bits, s, z)
+                elif bits == 8:
+                    for k in range(width // 16):
+                        _stream16_8(rec, o, k, s, z)
+                elif bits == 4:
+                    for k in range(width // 16):
+                        _stream16_4(rec, o, k, s, z)
+                else:
+                    for k in range(width // 16):
+                        _stream16_2(rec, o, k, s, z)
         if stream:
             _fence()
 
 
-def record_bytes(width: int, bits: int) -> tuple[int, int]:
-    """(data bytes, whole record bytes) of one encoded ``width``-wide row at ``bits`` (8, 4, 2)."""
+def layout(splits, width: int, bits: int, group: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the blocks of ``splits`` rows lie in an encoded buffer: int64 arrays of length
+    ``len(splits) + 1`` with each block's first row, first group and first byte (the last entry
+    of each is the total), from :func:`tessera.dist.wire.block_bytes`."""
+    check_bits(bits)
     if bits == 32:
         raise ValueError("32-bit rows are sent as float32 directly, not encoded")
-    data, params = row_bytes(width, bits)
-    return data, data + params
+    n = np.asarray(splits, dtype=np.int64).reshape(-1)
+    if n.size and n.min() < 0:
+        raise ValueError(f"block row counts must be non-negative, got {n.tolist()}")
+    g = group_rows(group)
+    starts = [np.zeros(n.size + 1, dtype=np.int64) for _ in range(3)]
+    for a, v in zip(starts, (n, -(-n // g), wire_bytes(n, width, bits, g))):
+        np.cumsum(v, out=a[1:])
+    return starts[0], starts[1], starts[2]
 
 
-def _check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
@@ -398,32 +454,68 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dt
     return out
 
 
-def encode(x: torch.Tensor, bits: int, seed: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize float32 rows ``x`` (rows, width) to ``bits`` (8, 4, 2): uint8 (rows, record) records."""
+def _splits(splits, rows: int | None) -> list[int]:
+    if splits is None:
+        return [rows]
+    if isinstance(splits, (int, np.integer)):
+        return [int(splits)]
+    return [int(n) for n in splits]
+
+
+def encode(
+    x: torch.Tensor,
+    bits: int,
+    seed: int,
+    out: torch.Tensor | None = None,
+    splits=None,
+    group: int | None = None,
+) -> torch.Tensor:
+    """Quantize float32 rows ``x`` (rows, width) to ``bits`` (8, 4, 2): a flat uint8 buffer holding
+    one block per entry of ``splits`` (row counts summing to ``rows``; default one block of all
+    rows), each laid out as in the module docstring, blocks back to back. ``group`` defaults to
+    :data:`tessera.dist.wire.GROUP_ROWS`; ``out`` (uint8, the buffer's length) is reused."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise TypeError(f"encode expects a 2-D float32 CPU tensor, got {x.dim()}-D {x.dtype} on {x.device}")
-    ndata, record = record_bytes(x.shape[1], bits)
+    rows, width = x.shape
+    splits = _splits(splits, rows)
+    group = group_rows(group)
+    rstart, gstart, bstart = layout(splits, width, bits, group)
+    if rstart[-1] != rows:
+        raise ValueError(f"splits {splits} sum to {int(rstart[-1])}, but x has {rows} rows")
     x = x.detach().contiguous()
-    out = _check_out(out, (x.shape[0], record), torch.uint8)
-    if x.shape[0]:
+    out = _check_out(out, (int(bstart[-1]),), torch.uint8)
+    if gstart[-1]:
         sync_numba_threads()
         seed &= 2**64 - 1
-        _encode(x.numpy(), out.numpy(), bits, ndata, np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32))
+        lo, hi = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+        _encode(x.numpy(), out.numpy(), bits, data_bytes(width, bits), group, rstart, gstart, bstart, lo, hi)
     return out
 
 
-def decode(buf: torch.Tensor, width: int, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 (rows, width) values ``q * scale + zero`` of records made by :func:`encode`."""
-    ndata, record = record_bytes(width, bits)
-    if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.shape[1] != record or buf.device.type != "cpu":
+def decode(
+    buf: torch.Tensor,
+    width: int,
+    bits: int,
+    splits,
+    out: torch.Tensor | None = None,
+    group: int | None = None,
+) -> torch.Tensor:
+    """The float32 (rows, width) values ``q * scale + zero`` of a buffer made by :func:`encode`
+    with the same ``splits`` (a row count for one block, or one per block), ``bits`` and ``group``;
+    ``out`` is reused when given."""
+    splits = _splits(splits, None)
+    group = group_rows(group)
+    rstart, gstart, bstart = layout(splits, width, bits, group)
+    if buf.dtype != torch.uint8 or buf.device.type != "cpu" or buf.numel() != bstart[-1]:
         raise ValueError(
-            f"expected uint8 (rows, {record}) CPU records for width {width} at {bits} bits, got {buf.dtype} {tuple(buf.shape)}"
+            f"expected {int(bstart[-1])} uint8 CPU bytes for blocks of {splits} rows of width {width} at {bits} bits "
+            f"in groups of {group}, got {buf.dtype} {tuple(buf.shape)}"
         )
-    buf = buf.contiguous()
-    out = _check_out(out, (buf.shape[0], width), torch.float32)
-    if buf.shape[0]:
+    buf = buf.contiguous().view(-1)
+    out = _check_out(out, (int(rstart[-1]), width), torch.float32)
+    if gstart[-1]:
         sync_numba_threads()
         # Streaming stores need every row 64-byte aligned: a 64-byte-aligned tensor, width % 16 == 0.
         stream = out.nbytes >= _STREAM_BYTES and width % 16 == 0 and out.data_ptr() % 64 == 0
-        _decode(buf.numpy(), out.numpy(), bits, ndata, stream)
+        _decode(buf.numpy(), out.numpy(), bits, data_bytes(width, bits), group, rstart, gstart, bstart, stream)
     return out

@@ -1,7 +1,8 @@
 """SuperGCN's communication performance model (§5.4 Eq. 2, §6.2 Eq. 3–8) over simulated volumes.
 
 For one exchange with ``rows[i, j]`` rows from rank ``i`` to rank ``j``, ``B_ij`` its bytes
-(``row_bytes``: data plus, below 32 bits, per-row scale and zero point)::
+(``tessera.dist.wire.block_bytes``: data plus, below 32 bits, a scale and zero point per group of
+``GROUP_ROWS`` rows) and ``data_w`` the data bytes of one row::
 
     T_comm^{i,j}  = B_ij / BW + L                       (pairs with traffic; Eq. 2, Eq. 5)
     T_quant^{i,j} = rows_ij * (4 w + data_w) / TH       (fp32 read + intX written; Eq. 4, b < 32)
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.dist.wire import row_bytes
+from tessera.dist.wire import block_bytes, data_bytes, group_rows
 from tessera.errors import ConfigError
 
 DEFAULT_BANDWIDTH_GBPS = 12.5  # 100 Gb/s InfiniBand / Ethernet class link, per rank
@@ -66,11 +67,11 @@ def exchange_time(
 ) -> dict[str, Any]:
     """Eq. 6 for one exchange (sender x receiver ``rows``): the slowest rank's time and its parts;
     ``owned`` and ``norm_width`` add Eq. 3's LayerNorm term."""
-    data, params = row_bytes(width, bits)
+    data, params = block_bytes(np.asarray(rows), width, bits)
     bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
     sent = rows.sum(axis=1)
-    comm = sent * (data + params) / bw + np.count_nonzero(rows, axis=1) * lat
-    quant = 2 * sent * (4 * width + data) / th if bits < 32 else np.zeros(sent.shape)
+    comm = (data + params).sum(axis=1) / bw + np.count_nonzero(rows, axis=1) * lat
+    quant = 2 * sent * (4 * width + data_bytes(width, bits)) / th if bits < 32 else np.zeros(sent.shape)
     pre = owned * norm_width * 4 / th if owned is not None and norm_width else np.zeros(sent.shape)
     total = pre + comm + quant
     i = int(np.argmax(total)) if total.size else 0
@@ -94,8 +95,9 @@ def eq7_ratios(pair_rows: float, width: int, bits: int, m: CommModel) -> dict[st
     """Eq. 7's alpha (values per parameter), beta (TH / BW), gamma (32 / b) and delta (latency over
     the quantized transfer time) for a pair sending ``pair_rows`` rows, and Eq. 8's speedup."""
     data_time = pair_rows * width * bits / 8 / (m.bandwidth_gbps * 1e9)
+    groups = max(np.ceil(pair_rows / group_rows()), 1)
     r = {
-        "alpha": width / 2,  # two fp32 parameters (scale, zero point) per row
+        "alpha": pair_rows * width / (2 * groups),  # two fp32 parameters (scale, zero) per group of rows
         "beta": m.quant_gbps / m.bandwidth_gbps,
         "gamma": 32 / bits,
         "delta": m.latency_us * 1e-6 / data_time if data_time > 0 else float("inf"),

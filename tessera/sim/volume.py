@@ -1,13 +1,15 @@
 """Bytes a partition-parallel training epoch moves between P ranks, from the partition alone.
 
-Per layer and direction rank ``p`` sends rank ``q`` ``rows[p, q]`` rows of the layer's exchange
-width (the runtime's ``RankPlan.send_counts``; SuperGCN §5.2–5.3), each costing
-``tessera.dist.wire.row_bytes(width, bits)`` data and parameter bytes. Backward sends the same rows
-the other way: pair ``(q, p)`` carries ``rows[p, q]``. A training epoch is the forward and backward
-exchange of every layer, except that layer 0 has no backward exchange when its aggregated input
-needs no gradient (autograd skips it: raw features aggregated before the linear map, no LayerNorm,
-no label embedding). Evaluation forwards exchange the forward volumes again; they are reported
-apart (``eval_forward_bytes``), as the runtime's log counts training passes only.
+Per layer and direction rank ``p`` sends rank ``q`` one block of ``rows[p, q]`` rows of the layer's
+exchange width (the runtime's ``RankPlan.send_counts``; SuperGCN §5.2–5.3), costing
+``tessera.dist.wire.block_bytes(rows[p, q], width, bits)`` data and parameter bytes (below 32 bits
+one scale and zero point per group of ``GROUP_ROWS`` rows, a block's last group possibly short).
+Backward sends the same rows the other way: pair ``(q, p)`` carries ``rows[p, q]``. A training
+epoch is the forward and backward exchange of every layer, except that layer 0 has no backward
+exchange when its aggregated input needs no gradient (autograd skips it: raw features aggregated
+before the linear map, no LayerNorm, no label embedding). Evaluation forwards exchange the forward
+volumes again; they are reported apart (``eval_forward_bytes``), as the runtime's log counts
+training passes only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import scipy.sparse as sp
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from tessera.dist.plan import MODES
-from tessera.dist.wire import COMM_BITS, row_bytes
+from tessera.dist.wire import COMM_BITS, block_bytes
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.partition import partition
@@ -84,18 +86,23 @@ def exchange_layers(
 
 
 # ---------------------------------------------------------------------------------------- bytes
+def pair_bytes(rows: np.ndarray, width: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(data, parameter) bytes per ordered pair of one exchange whose sender x receiver row matrix
+    is ``rows``: each pair's rows are one block on the wire (``tessera.dist.wire.block_bytes``)."""
+    return block_bytes(np.asarray(rows), width, bits)
+
+
 def _direction(rows: np.ndarray, width: int, bits: int) -> dict[str, Any]:
     """Totals of one exchange whose sender x receiver row matrix is ``rows``."""
-    data, params = row_bytes(width, bits)
-    sent = rows.sum(axis=1)
+    data, params = pair_bytes(rows, width, bits)
+    sent = (data + params).sum(axis=1)
     r = int(np.argmax(sent)) if sent.size else 0
-    total = int(sent.sum())
     return {
-        "rows": total,
-        "data_bytes": total * data,
-        "param_bytes": total * params,
-        "bytes": total * (data + params),
-        "max_rank_bytes": int(sent[r]) * (data + params) if sent.size else 0,
+        "rows": int(rows.sum()),
+        "data_bytes": int(data.sum()),
+        "param_bytes": int(params.sum()),
+        "bytes": int(sent.sum()),
+        "max_rank_bytes": int(sent[r]) if sent.size else 0,
         "max_rank": r,
         "active_pairs": int(np.count_nonzero(rows)),
     }
@@ -106,10 +113,10 @@ def _bits_summary(rows: np.ndarray, plan: list[tuple[int, bool]], bits: int) -> 
     per_rank = np.zeros(rows.shape[0], dtype=np.int64)
     layers, eval_fwd = [], 0
     for i, (width, back) in enumerate(plan):
-        per_row = sum(row_bytes(width, bits))
+        pair = sum(pair_bytes(rows, width, bits))  # bytes p sends q forward; q sends p backward
         fwd = _direction(rows, width, bits)
         bwd = _direction(rows.T, width, bits) if back else None
-        per_rank += rows.sum(axis=1) * per_row + (rows.sum(axis=0) * per_row if back else 0)
+        per_rank += pair.sum(axis=1) + (pair.sum(axis=0) if back else 0)
         eval_fwd += fwd["bytes"]
         layers.append({"layer": i, "width": width, "forward": fwd, "backward": bwd})
     exchanges = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
@@ -211,9 +218,9 @@ def pair_detail(
     rows = _layer_rows(vol, mode, layer, direction)
     if rows is None:
         return {}
-    data, params = row_bytes(vol["widths"][layer], bits)
+    data, params = pair_bytes(rows, vol["widths"][layer], bits)
     src, dst = np.nonzero(rows)
-    return {(int(p), int(q)): (int(r), int(r) * data, int(r) * params) for p, q, r in zip(src, dst, rows[src, dst])}
+    return {(int(p), int(q)): (int(rows[p, q]), int(data[p, q]), int(params[p, q])) for p, q in zip(src, dst)}
 
 
 def runtime_bytes(vol: dict[str, Any], mode: str, bits: int) -> dict[str, list]:
@@ -221,10 +228,9 @@ def runtime_bytes(vol: dict[str, Any], mode: str, bits: int) -> dict[str, list]:
     ``bytes_params``, direction 0 forward, 1 backward. Quadratic in P: for checks on small P."""
     out: dict[str, list] = {"bytes_data": [], "bytes_params": []}
     for layer, width in enumerate(vol["widths"]):
-        data, params = row_bytes(width, bits)
         per_dir = [_layer_rows(vol, mode, layer, d) for d in DIRECTIONS]
         zero = np.zeros_like(vol["_rows"][mode])
-        mats = [zero if r is None else r for r in per_dir]
-        out["bytes_data"].append([(m * data).tolist() for m in mats])
-        out["bytes_params"].append([(m * params).tolist() for m in mats])
+        mats = [pair_bytes(zero if r is None else r, width, bits) for r in per_dir]
+        out["bytes_data"].append([m[0].tolist() for m in mats])
+        out["bytes_params"].append([m[1].tolist() for m in mats])
     return out

@@ -1,3 +1,3 @@
 """Aggregation backends; importing this package registers them."""
 
-from tessera.ops.backends import csr, reference  # noqa: F401
+from tessera.ops.backends import csr, dense_block, reference  # noqa: F401
