@@ -278,3 +278,12 @@ def test_masked_rejects_bad_masks(hub):
         masked_aggregate(hub, x, torch.ones(hub.num_nodes, 8))
     with pytest.raises(Exception, match="unknown reduce"):
         masked_aggregate(hub, x, torch.ones(hub.num_nodes, 8, dtype=torch.bool), "max")
+
+
+def test_work_items_cover_every_row_once_even_with_fewer_edges_than_items():
+    from tessera.ops.backends.csr import work_items
+
+    for indptr in (np.array([0, 1, 2, 3]), np.array([0, 0, 0]), np.array([0, 5, 5, 6])):
+        items = work_items(indptr, 16, 2)
+        rows = sorted(r for r0, r1, f0, f1 in items for r in range(r0, r1) if f0 == 0)
+        assert rows == list(range(indptr.size - 1))

@@ -100,7 +100,7 @@ def work_items(indptr: np.ndarray, width: int, threads: int) -> np.ndarray:
     width = max(1, int(width))
     share = max(nnz / parts, 1.0)
     targets = np.arange(1, parts) * share
-    cuts = np.unique(np.concatenate([[0], np.searchsorted(indptr, targets, side="left"), [n]]))
+    cuts = np.unique(np.concatenate([[0], np.minimum(np.searchsorted(indptr, targets, side="left"), n), [n]]))
     deg = np.diff(indptr)
     heavy = np.flatnonzero(deg > 2 * share)
     # Heavy rows become their own row ranges so they can be split by feature tiles.
