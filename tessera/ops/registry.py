@@ -38,8 +38,8 @@ def register_backend(backend: AggregationBackend) -> AggregationBackend:
 
 def get_backend(name: str) -> AggregationBackend:
     """Look a backend up by name; unknown names raise :class:`ConfigError` listing the choices."""
-    if name == "auto":  # per-call choice lives in tessera.ops.select; here the usual winner
-        name = "csr"
+    if name == "auto":  # per-call choice lives in tessera.ops.select (distributed path: reference for now)
+        name = "reference"
     try:
         return _BACKENDS[name]
     except KeyError:
