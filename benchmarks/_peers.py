@@ -79,9 +79,11 @@ def _mlp(a: int, b: int, hidden: int) -> nn.Module:
 def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], cfg: dict[str, Any]) -> Built:
     """tessera's own model on a ``tessera.Graph`` built from the CSR arrays."""
     from tessera import ops
+    from tessera.allocator import retain_freed_memory
     from tessera.graph import Graph
     from tessera.nn import build_model
 
+    retain_freed_memory()  # as tessera's Trainer does
     g = Graph.from_csr(
         torch.from_numpy(arrays["indptr"]),
         torch.from_numpy(arrays["indices"]),

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tessera import ops
+from tessera.allocator import retain_freed_memory
 from tessera.checkpoint import load_checkpoint, save_checkpoint, write_json
 from tessera.config import TrainConfig
 from tessera.dist.context import Comm, env_world_size
@@ -70,6 +71,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, graph: Graph, comm: Comm | None = None) -> None:
         cfg.validate()
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
+        retain_freed_memory()
         self.cfg = cfg
         self.comm = comm or Comm(0, 1, torch.device("cpu"))
         self.is_main = self.comm.rank == 0

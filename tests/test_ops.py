@@ -104,3 +104,75 @@ def test_rectangular_csr_matrix_matches_dense_and_gradcheck(backend):
     wg = w.clone().requires_grad_(True)
     torch.testing.assert_close(ops.aggregate(m, x, "sum", w, backend), dense @ x)
     assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(m, x, "sum", w, backend), (x, wg))
+
+
+def _lowbias32_np(v):
+    v = v & 0xFFFFFFFF
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & 0xFFFFFFFF
+    v ^= v >> 15
+    v = (v * 0x846CA68B) & 0xFFFFFFFF
+    return v ^ (v >> 16)
+
+
+def test_dropout_mask_is_the_documented_hash_of_seed_and_index():
+    # the kernel hashes in 32-bit lanes; the mask must equal the 64-bit definition element for element
+    import numpy as np
+
+    from tessera.ops.dropout import _BLOCK
+
+    n, p = 3 * _BLOCK + 123, 0.4
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
+    torch.manual_seed(11)
+    y = dropout(torch.ones(n), p)
+    i = np.arange(n, dtype=np.uint64)
+    start = (i // _BLOCK) * _BLOCK
+    key = _lowbias32_np(np.uint64(seed >> 32) ^ (start >> np.uint64(32))) ^ np.uint64(seed & 0xFFFFFFFF)
+    h = _lowbias32_np((i * np.uint64(0x9E3779B9) + key) & np.uint64(0xFFFFFFFF))
+    expected = h >= np.uint64(round(p * 2**32))
+    assert np.array_equal(y.numpy() != 0, expected)
+    assert torch.equal(dropout(torch.ones(10), 1 - 2**-40), torch.zeros(10))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_matches_torch_forward_and_backward(bias):
+    torch.manual_seed(0)
+    x = torch.randn(1031, 67, requires_grad=True)
+    w = torch.randn(45, 67, requires_grad=True)
+    b = torch.randn(45, requires_grad=True) if bias else None
+    g = torch.randn(1031, 45)
+    state = torch.get_rng_state()
+    y = ops.linear(x, w, b)
+    assert torch.equal(torch.get_rng_state(), state)  # no random draws: seeds downstream stay put
+    y.backward(g)
+    grads = [t.grad.clone() for t in (x, w, b) if t is not None]
+    for t in (x, w, b):
+        if t is not None:
+            t.grad = None
+    ref = torch.nn.functional.linear(x, w, b)
+    ref.backward(g)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    for got, t in zip(grads, [t for t in (x, w, b) if t is not None], strict=True):
+        torch.testing.assert_close(got, t.grad, rtol=1e-5, atol=1e-3)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, c: ops.linear(a[:7], c[:5]), (xd, wd))  # float64: torch's path
+    from tessera.nn.linear import Linear
+
+    lin = Linear(67, 45, bias=bias)
+    assert set(lin.state_dict()) == set(torch.nn.Linear(67, 45, bias=bias).state_dict())
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_retain_freed_memory_is_idempotent_and_can_be_declined():
+    import subprocess
+    import sys
+
+    code = "from tessera.allocator import retain_freed_memory as r; print(r(), r())"
+    env_default = {k: v for k, v in __import__("os").environ.items() if k != "TESSERA_MALLOC"}
+    out = subprocess.run([sys.executable, "-c", code], env=env_default, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]  # glibc (Linux CI): takes effect, twice the same
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**env_default, "TESSERA_MALLOC": "system"}, capture_output=True, text=True
+    )
+    assert out.stdout.split() == ["False", "False"]

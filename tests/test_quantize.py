@@ -14,7 +14,7 @@ from tessera import ops
 from tessera.dist import quantize, wire
 from tessera.dist.quantize import _hash_u32, decode, encode, layout
 from tessera.dist.wire import GROUP_ROWS, block_bytes, data_bytes, wire_bytes
-from tessera.ops.dropout import _hash32
+from tessera.ops.hashing import hash32 as _hash32
 
 BITS = (8, 4, 2)
 GROUPS = (1, 2, 4, 8)

@@ -48,7 +48,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tessera.dist.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
-from tessera.ops.dropout import _hash32
+from tessera.ops.hashing import hash32 as _hash32
+from tessera.ops.hashing import hash_u32 as _hash_u32
+from tessera.ops.hashing import index_hash
 from tessera.ops.threads import sync_numba_threads
 
 _F32_MAX = np.float64(np.finfo(np.float32).max)
@@ -69,25 +71,7 @@ _CHUNK = 64  # rows per parallel work item in decode
 _PARAMS = PARAM_BYTES
 
 
-def _lowbias32(builder, v):
-    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-        v = builder.xor(v, builder.lshr(v, ir.Constant(_I32, shift)))
-        v = builder.mul(v, ir.Constant(_I32, mul))
-    return builder.xor(v, builder.lshr(v, ir.Constant(_I32, 16)))
-
-
-@intrinsic
-def _hash_u32(typingctx, v):
-    return types.uint32(types.uint32), lambda context, builder, sig, args: _lowbias32(builder, args[0])
-
-
-@intrinsic
-def _pair_hash(typingctx, k, key):
-    def codegen(context, builder, sig, args):
-        v = builder.add(builder.mul(builder.trunc(args[0], _I32), ir.Constant(_I32, 0x85EBCA6B)), args[1])
-        return _lowbias32(builder, v)
-
-    return types.uint32(types.int64, types.uint32), codegen
+_pair_hash = index_hash(0x85EBCA6B)
 
 
 def _one_plus_u(builder, h, high):

@@ -10,6 +10,7 @@ from tessera import ops
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
+from tessera.nn.linear import Linear
 
 MODELS = ("gcn", "sage", "gin", "gat")
 
@@ -69,7 +70,7 @@ class GNN(nn.Module):
 
 
 def _gin_mlp(i: int, o: int, hidden: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(i, hidden), nn.ReLU(), nn.Linear(hidden, o))
+    return nn.Sequential(Linear(i, hidden), nn.ReLU(), Linear(hidden, o))
 
 
 def build_model(

@@ -13,22 +13,13 @@ import numba
 import numpy as np
 import torch
 
+from tessera.ops.hashing import hash32, index_hash
 from tessera.ops.threads import sync_numba_threads
 
 _BLOCK = 1 << 14
-_M32 = np.uint64(0xFFFFFFFF)
 
 
-@numba.njit(inline="always")
-def _hash32(v):
-    # lowbias32 (C. Wellons): a full-avalanche 32-bit integer hash, computed in uint64 lanes.
-    v = v & 0xFFFFFFFF
-    v ^= v >> 16
-    v = (v * 0x7FEB352D) & 0xFFFFFFFF
-    v ^= v >> 15
-    v = (v * 0x846CA68B) & 0xFFFFFFFF
-    v ^= v >> 16
-    return v
+_element_hash = index_hash(0x9E3779B9)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -40,17 +31,27 @@ def _masked_scale(src, out, seed_lo, seed_hi, threshold, scale):
         stop = min(n, start + _BLOCK)
         # Mix the high bits of the index into the per-block key so tensors over 2**32 elements
         # do not repeat their mask.
-        key = _hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo)
-        for i in range(start, stop):
-            h = _hash32((np.uint64(i) * np.uint64(0x9E3779B9) + key) & 0xFFFFFFFF)
-            out[i] = src[i] * scale if h >= threshold else 0.0
+        key = np.uint32(hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo))
+        # Slices with a local index vectorise; indexing the whole array by the global index did
+        # not (measured 3x slower on 169k x 256).
+        a, o = src[start:stop], out[start:stop]
+        for i in range(stop - start):
+            o[i] = a[i] * scale if _element_hash(start + i, key) >= threshold else 0.0
+
+
+def keep_threshold(p: float) -> np.uint32 | None:
+    """An element is kept when its 32-bit hash is at least this; None when ``p`` rounds to dropping all."""
+    t = int(round(p * 2**32))
+    return None if t >= 2**32 else np.uint32(t)
 
 
 def _apply(x: torch.Tensor, seed: int, p: float) -> torch.Tensor:
     sync_numba_threads()
     x = x.contiguous()
+    threshold = keep_threshold(p)
+    if threshold is None:
+        return torch.zeros_like(x)
     out = torch.empty_like(x)
-    threshold = np.uint64(min(int(round(p * 2**32)), 2**32))
     scale = 1.0 / (1.0 - p)
     _masked_scale(
         x.view(-1).numpy(),
@@ -58,7 +59,7 @@ def _apply(x: torch.Tensor, seed: int, p: float) -> torch.Tensor:
         np.uint64(seed & 0xFFFFFFFF),
         np.uint64(seed >> 32),
         threshold,
-        x.new_tensor(scale).item(),
+        np.float32(scale) if x.dtype == torch.float32 else np.float64(scale),
     )
     return out
 

@@ -24,7 +24,8 @@ import torch
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.ops.aggregate import inv_in_degree
-from tessera.ops.dropout import _BLOCK, _hash32
+from tessera.ops.dropout import _BLOCK, _element_hash, keep_threshold
+from tessera.ops.hashing import hash32
 from tessera.ops.registry import get_backend
 from tessera.ops.threads import sync_numba_threads
 
@@ -139,10 +140,10 @@ def _keep_kernel(out, seed_lo, seed_hi, threshold):
     for b in numba.prange(nblocks):
         start = b * _BLOCK
         stop = min(n, start + _BLOCK)
-        key = _hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo)
-        for i in range(start, stop):
-            h = _hash32((np.uint64(i) * np.uint64(0x9E3779B9) + key) & 0xFFFFFFFF)
-            out[i] = h >= threshold
+        key = np.uint32(hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo))
+        o = out[start:stop]
+        for i in range(stop - start):
+            o[i] = _element_hash(start + i, key) >= threshold
 
 
 def dropout_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
@@ -152,7 +153,9 @@ def dropout_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
     sync_numba_threads()
     seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
     out = torch.empty(shape, dtype=torch.bool)
-    threshold = np.uint64(min(int(round(p * 2**32)), 2**32))
+    threshold = keep_threshold(p)
+    if threshold is None:
+        return out.fill_(False)
     _keep_kernel(out.view(-1).numpy(), np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32), threshold)
     return out
 

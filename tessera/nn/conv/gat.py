@@ -8,6 +8,7 @@ from torch import nn
 from tessera import ops
 from tessera.graph import Graph
 from tessera.nn.conv._util import glorot_
+from tessera.nn.linear import Linear
 
 
 def _with_self_loops(graph: Graph) -> Graph:
@@ -39,7 +40,7 @@ class GATConv(nn.Module):
             add_self_loops,
             backend,
         )
-        self.lin = nn.Linear(in_channels, heads * out_channels, bias=False)
+        self.lin = Linear(in_channels, heads * out_channels, bias=False)
         self.att_src = nn.Parameter(torch.empty(1, heads, out_channels))
         self.att_dst = nn.Parameter(torch.empty(1, heads, out_channels))
         self.bias = nn.Parameter(torch.empty(heads * out_channels if concat else out_channels)) if bias else None

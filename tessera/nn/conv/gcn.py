@@ -7,6 +7,7 @@ from torch import nn
 
 from tessera.graph import Graph
 from tessera.nn.conv._util import glorot_, linear_then_aggregate
+from tessera.nn.linear import Linear
 
 
 def normalized_graph(graph: Graph, add_self_loops: bool = True, improved: bool = False) -> Graph:
@@ -31,7 +32,7 @@ class GCNConv(nn.Module):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.improved, self.add_self_loops, self.normalize = improved, add_self_loops, normalize
         self.backend = backend
-        self.lin = nn.Linear(in_channels, out_channels, bias=False)
+        self.lin = Linear(in_channels, out_channels, bias=False)
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
         self.reset_parameters()
 

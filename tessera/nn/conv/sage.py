@@ -6,8 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera import ops
 from tessera.graph import Graph
 from tessera.nn.conv._util import linear_then_aggregate
+from tessera.nn.linear import Linear
 
 
 class SAGEConv(nn.Module):
@@ -26,8 +28,8 @@ class SAGEConv(nn.Module):
         super().__init__()
         self.in_channels, self.out_channels = in_channels, out_channels
         self.aggr, self.normalize, self.root_weight, self.backend = aggr, normalize, root_weight, backend
-        self.lin_l = nn.Linear(in_channels, out_channels, bias=bias)
-        self.lin_r = nn.Linear(in_channels, out_channels, bias=False) if root_weight else None
+        self.lin_l = Linear(in_channels, out_channels, bias=bias)
+        self.lin_r = Linear(in_channels, out_channels, bias=False) if root_weight else None
 
     def reset_parameters(self) -> None:
         """torch's default Linear init (as PyG's ``Linear`` with kaiming-uniform)."""
@@ -59,4 +61,4 @@ class _WeightOnly(nn.Module):
         self.weight, self.in_features, self.out_features = lin.weight, lin.in_features, lin.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return ops.linear(x, self.weight)
