@@ -3,8 +3,7 @@
 Times, on ``--threads`` threads, the five GEMM shapes of a 2-layer GCN epoch on an arxiv-sized
 graph (N x F_in times F_in x F_out forward, the input gradient, the weight gradient), median of
 ``--repeats`` after a warm-up, each into a fresh output as training does, and prints ms and
-GFLOPS for both. Run it with the allocator setting training uses (tessera's Trainer calls
-``tessera.allocator.retain_freed_memory``; this script does too unless ``--system-malloc``).
+GFLOPS for both (run it under the allocator you train with: ``LD_PRELOAD`` jemalloc or not).
 
     python benchmarks/bench_dense.py --threads 2
 """
@@ -18,7 +17,6 @@ import time
 import torch
 
 from tessera import ops
-from tessera.allocator import retain_freed_memory
 from tessera.ops.dense import _usable
 
 
@@ -60,10 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dims", type=int, nargs="+", default=[128, 256, 40], help="layer widths")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--system-malloc", action="store_true")
     a = p.parse_args(argv)
-    if not a.system_malloc:
-        retain_freed_memory()
     torch.manual_seed(0)
     ops.set_num_threads(a.threads)
     print(

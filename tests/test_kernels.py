@@ -287,3 +287,46 @@ def test_work_items_cover_every_row_once_even_with_fewer_edges_than_items():
         items = work_items(indptr, 16, 2)
         rows = sorted(r for r0, r1, f0, f1 in items for r in range(r0, r1) if f0 == 0)
         assert rows == list(range(indptr.size - 1))
+
+
+@pytest.mark.parametrize(
+    ("model", "hidden", "layers", "expected"),
+    [("gcn", 256, 3, {"forward": 1}), ("sage", 256, 3, {"forward": 1}), ("gin", 64, 2, {"transposed": 1})],
+)
+def test_models_use_s_spmm_and_match_the_plain_composition(monkeypatch, model, hidden, layers, expected):
+    # GCN/SAGE 256->256 aggregate last, so the next dropout's mask limits the aggregation; GIN's
+    # second layer aggregates dropout(relu(h)) first, so its backward computes only kept entries.
+    import tessera.ops.masked as masked_mod
+    from tessera.datasets import load
+    from tessera.nn import build_model
+
+    calls: dict[str, int] = {}
+    real = masked_mod.masked_product
+
+    def counting(backend, graph, x, mask, weight, row_scale, transposed):
+        key = "transposed" if transposed else "forward"
+        calls[key] = calls.get(key, 0) + 1
+        return real(backend, graph, x, mask, weight, row_scale, transposed)
+
+    monkeypatch.setattr(masked_mod, "masked_product", counting)
+    g = load("synthetic:tiny")
+    torch.manual_seed(0)
+    m = build_model(model, g.x.shape[1], hidden, int(g.y.max()) + 1, layers, 0.5)
+    results = []
+    for fused in (True, False):
+        m.s_spmm = fused
+        m.zero_grad()
+        torch.manual_seed(1)
+        out = m(g.x, g)
+        (out.square() * torch.linspace(0, 1, out.shape[1])).sum().backward()
+        results.append((out.detach().clone(), [p.grad.clone() for p in m.parameters()]))
+        if fused:
+            assert calls == expected
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    m.eval()
+    calls.clear()
+    m(g.x, g)
+    assert calls == {}  # no dropout in evaluation: plain aggregation

@@ -11,6 +11,8 @@ from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
 from tessera.nn.linear import Linear
+from tessera.ops.dropout import dropout_with_mask
+from tessera.ops.masked import dropout_mask
 
 MODELS = ("gcn", "sage", "gin", "gat")
 
@@ -31,6 +33,7 @@ class GNN(nn.Module):
         self.convs = nn.ModuleList(convs)
         self.norms = nn.ModuleList(norms) if norms else None
         self.dropout = dropout
+        self.s_spmm = True  # masked aggregation where dropout or ReLU masks allow it (False: plain)
         self.act = F.elu if activation == "elu" else F.relu
         in_dim = getattr(convs[0], "in_channels", None) or convs[0].nn[0].in_features
         self.label_emb = nn.Embedding(label_classes, in_dim) if label_classes else None
@@ -59,14 +62,43 @@ class GNN(nn.Module):
             # Even with no rows drawn, the input then requires grad on every rank, so all ranks
             # enter the same backward exchanges.
             x = x.index_add(0, label_rows, self.label_emb(labels))
+        # S-SpMM (MixGCN §3.2.1): with dropout right after a layer that aggregates last, its mask
+        # is drawn first and only the kept outputs are aggregated; a layer that aggregates its
+        # input first computes only the input-gradient entries ReLU and dropout let through.
+        # Same random draws in the same order, so the same values as the plain composition.
+        fuse = (
+            self.s_spmm
+            and self.training
+            and 0.0 < self.dropout < 1.0
+            and self.norms is None
+            and not _distributed(graph)
+        )
+        keep = None
+        last = len(self.convs) - 1
         for i, conv in enumerate(self.convs):
             if self.norms is not None:
                 x = self.norms[i](x)
-            x = ops.dropout(x, self.dropout, self.training)
-            x = conv(x, graph)
-            if i < len(self.convs) - 1:
+            x = (
+                ops.dropout(x, self.dropout, self.training)
+                if keep is None
+                else dropout_with_mask(x, keep, self.dropout)
+            )
+            uses_in, uses_out = conv.s_spmm_sides() if fuse and hasattr(conv, "s_spmm_sides") else (False, False)
+            hints = {}
+            if uses_in and i > 0 and self.act is F.relu and x.requires_grad:
+                hints["input_grad_mask"] = x != 0
+            keep = None
+            if uses_out and i < last:
+                keep = dropout_mask((graph.num_nodes, conv.out_channels), self.dropout)
+                hints["output_mask"] = keep
+            x = conv(x, graph, **hints)
+            if i < last:
                 x = self.act(x)
         return x
+
+
+def _distributed(graph) -> bool:
+    return hasattr(graph, "distributed_aggregate")
 
 
 def _gin_mlp(i: int, o: int, hidden: int) -> nn.Module:

@@ -35,11 +35,11 @@ def _resolve(name: str, graph: Graph, x: torch.Tensor, weight, reduce: str, dire
 
 class _Aggregate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, graph: Graph, reduce: str, name: str):
+    def forward(ctx, x, weight, graph: Graph, reduce: str, name: str, grad_mask=None):
         out = _resolve(name, graph, x, weight, reduce, "forward").spmm(graph, x, weight)
         if reduce == "mean":
             out = _scale_rows(out, inv_in_degree(graph, out.dtype))
-        ctx.graph, ctx.reduce, ctx.name = graph, reduce, name
+        ctx.graph, ctx.reduce, ctx.name, ctx.grad_mask = graph, reduce, name, grad_mask
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)
         return out
 
@@ -50,11 +50,17 @@ class _Aggregate(torch.autograd.Function):
         if ctx.reduce == "mean":
             g = _scale_rows(g, inv_in_degree(graph, g.dtype))
         backend = _resolve(ctx.name, graph, g, weight, ctx.reduce, "backward")
-        gx = backend.spmm_t(graph, g, weight) if ctx.needs_input_grad[0] else None
+        gx = None
+        if ctx.needs_input_grad[0] and ctx.grad_mask is not None:
+            from tessera.ops.masked import masked_product
+
+            gx = masked_product(backend, graph, g, ctx.grad_mask, weight, None, transposed=True)
+        elif ctx.needs_input_grad[0]:
+            gx = backend.spmm_t(graph, g, weight)
         gw = None
         if ctx.needs_input_grad[1]:
             gw = backend.sddmm_dot(graph, g, x)
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None
 
 
 def aggregate(
@@ -63,17 +69,27 @@ def aggregate(
     reduce: str = "sum",
     weight: torch.Tensor | None = None,
     backend: str = "auto",
+    *,
+    grad_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[i] = reduce_{e=(j->i)} w_e * x[j]`` over in-edges; ``x`` is ``(N, F)`` or ``(N, H, F)``,
-    ``weight`` ``(E,)`` or ``(E, H)`` in CSR order; mean divides by the in-edge count."""
+    ``weight`` ``(E,)`` or ``(E, H)`` in CSR order; mean divides by the in-edge count.
+
+    ``grad_mask`` (bool, ``x``'s shape) makes the backward an S-SpMM: only the entries of ``x``'s
+    gradient that the mask keeps are computed, the rest are zero. Pass it when an element-wise
+    op whose backward zeroes those entries anyway produced ``x`` (ReLU then dropout: ``x != 0``)."""
     if reduce not in _REDUCES:
         raise ConfigError(f"unknown reduce {reduce!r}; choose from {', '.join(_REDUCES)}")
     if hasattr(graph, "distributed_aggregate"):  # a rank's view of a partitioned graph
-        return graph.distributed_aggregate(x, reduce, weight, backend)
+        return graph.distributed_aggregate(x, reduce, weight, backend)  # (grad_mask: the full product)
     if x.shape[0] != graph.num_cols:
         raise ValueError(f"x has {x.shape[0]} rows but the graph has {graph.num_cols} source vertices")
     if weight is not None and weight.shape[0] != graph.num_edges:
         raise ValueError(f"weight has {weight.shape[0]} entries but the graph has {graph.num_edges} edges")
     if backend != "auto":
         get_backend(backend)  # unknown names fail here, before any work
-    return _Aggregate.apply(x, weight, graph, reduce, backend)
+    if grad_mask is not None and (grad_mask.shape != x.shape or grad_mask.dtype != torch.bool):
+        raise ValueError(
+            f"grad_mask must be bool with x's shape {tuple(x.shape)}, got {grad_mask.dtype} {tuple(grad_mask.shape)}"
+        )
+    return _Aggregate.apply(x, weight, graph, reduce, backend, grad_mask)

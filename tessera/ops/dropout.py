@@ -87,3 +87,23 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Ten
         return torch.nn.functional.dropout(x, p, training)
     seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
     return _Dropout.apply(x, p, seed)
+
+
+class _KeepMask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return torch.where(keep, x * scale, 0.0)
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        return torch.where(keep, g * ctx.scale, 0.0), None, None
+
+
+def dropout_with_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """Inverted dropout with a keep mask drawn ahead (:func:`tessera.ops.masked.dropout_mask`): the
+    same values :func:`dropout` gives when that mask came from the same generator state."""
+    scale = float(np.float32(1.0 / (1.0 - p))) if x.dtype == torch.float32 else 1.0 / (1.0 - p)
+    return _KeepMask.apply(x, keep, scale)

@@ -53,7 +53,7 @@ def _keep(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
-def _masked_product(backend, graph, x, mask, weight, row_scale, transposed: bool) -> torch.Tensor:
+def masked_product(backend, graph, x, mask, weight, row_scale, transposed: bool) -> torch.Tensor:
     """``(diag(row_scale) A x) ⊙ mask`` (``A^T`` when ``transposed``) on ``backend``."""
     fused = getattr(backend, "masked_spmm", None)
     if fused is not None and x.dim() == 2:
@@ -70,7 +70,7 @@ class _MaskedAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, graph: Graph, mask, row_scale, backend_name: str):
         backend = _backend(backend_name)
-        out = _masked_product(backend, graph, x, mask, weight, row_scale, False)
+        out = masked_product(backend, graph, x, mask, weight, row_scale, False)
         ctx.graph, ctx.mask, ctx.row_scale, ctx.backend = graph, mask, row_scale, backend
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)
         return out
@@ -88,7 +88,7 @@ class _MaskedSpmmT(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, weight, graph: Graph, mask, backend_name: str):
         backend = _backend(backend_name)
-        out = _masked_product(backend, graph, g, mask, weight, None, True)
+        out = masked_product(backend, graph, g, mask, weight, None, True)
         ctx.graph, ctx.mask, ctx.backend = graph, mask, backend
         ctx.save_for_backward(g if weight is not None and weight.requires_grad else None, weight)
         return out

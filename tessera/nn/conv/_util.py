@@ -24,9 +24,25 @@ def linear_then_aggregate(
     reduce: str = "sum",
     weight: torch.Tensor | None = None,
     backend: str = "auto",
+    *,
+    input_grad_mask: torch.Tensor | None = None,
+    output_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``A (x W^T)`` or ``(A x) W^T``, whichever aggregates the narrower matrix (same result;
-    WiseGraph's indexing swap). ``lin`` must have no bias; callers add it after aggregation."""
-    if lin.out_features <= lin.in_features:
-        return ops.aggregate(graph, lin(x), reduce, weight, backend)
-    return lin(ops.aggregate(graph, x, reduce, weight, backend))
+    WiseGraph's indexing swap). ``lin`` must have no bias; callers add it after aggregation.
+
+    S-SpMM hints (MixGCN §3.2.1), used by the side that aggregates: ``output_mask`` when the
+    aggregation comes last (only kept outputs are computed, dropped ones are zero: the caller
+    applies that dropout mask after this layer), ``input_grad_mask`` when it comes first (only the
+    kept entries of ``x``'s gradient are computed)."""
+    if aggregates_output(lin):
+        xw = lin(x)
+        if output_mask is not None:
+            return ops.masked_aggregate(graph, xw, output_mask, reduce, weight, backend=backend)
+        return ops.aggregate(graph, xw, reduce, weight, backend)
+    return lin(ops.aggregate(graph, x, reduce, weight, backend, grad_mask=input_grad_mask))
+
+
+def aggregates_output(lin: torch.nn.Linear) -> bool:
+    """Whether :func:`linear_then_aggregate` aggregates after the linear map (the output is narrower)."""
+    return lin.out_features <= lin.in_features

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tessera.graph import Graph
-from tessera.nn.conv._util import glorot_, linear_then_aggregate
+from tessera.nn.conv._util import aggregates_output, glorot_, linear_then_aggregate
 from tessera.nn.linear import Linear
 
 
@@ -42,11 +42,26 @@ class GCNConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
-        """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        graph: Graph,
+        *,
+        input_grad_mask: torch.Tensor | None = None,
+        output_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``; the masks are
+        S-SpMM hints (see :func:`tessera.nn.conv._util.linear_then_aggregate`)."""
         g = normalized_graph(graph, self.add_self_loops, self.improved) if self.normalize else graph
-        out = linear_then_aggregate(g, x, self.lin, "sum", g.edge_weight, self.backend)
+        out = linear_then_aggregate(
+            g, x, self.lin, "sum", g.edge_weight, self.backend, input_grad_mask=input_grad_mask, output_mask=output_mask
+        )
         return out if self.bias is None else out + self.bias
+
+    def s_spmm_sides(self) -> tuple[bool, bool]:
+        """Which S-SpMM hint this layer uses: (``input_grad_mask``, ``output_mask``)."""
+        last = aggregates_output(self.lin)
+        return not last, last
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}"

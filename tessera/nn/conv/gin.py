@@ -27,10 +27,15 @@ class GINConv(nn.Module):
                 m.reset_parameters()
         self.eps.data.fill_(self.initial_eps)
 
-    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
-        """Apply the convolution to node features ``x``."""
-        out = ops.aggregate(graph, x, "sum", None, self.backend) + (1 + self.eps) * x
+    def forward(self, x: torch.Tensor, graph: Graph, *, input_grad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the convolution to node features ``x``; ``input_grad_mask`` is an S-SpMM hint
+        for the backward aggregation (see :func:`tessera.ops.aggregate`)."""
+        out = ops.aggregate(graph, x, "sum", None, self.backend, grad_mask=input_grad_mask) + (1 + self.eps) * x
         return self.nn(out)
+
+    def s_spmm_sides(self) -> tuple[bool, bool]:
+        """Which S-SpMM hint this layer uses: (``input_grad_mask``, ``output_mask``)."""
+        return True, False
 
     def extra_repr(self) -> str:
         return f"eps={self.initial_eps}"

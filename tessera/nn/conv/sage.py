@@ -8,7 +8,7 @@ from torch import nn
 
 from tessera import ops
 from tessera.graph import Graph
-from tessera.nn.conv._util import linear_then_aggregate
+from tessera.nn.conv._util import aggregates_output, linear_then_aggregate
 from tessera.nn.linear import Linear
 
 
@@ -37,10 +37,27 @@ class SAGEConv(nn.Module):
         if self.lin_r is not None:
             self.lin_r.reset_parameters()
 
-    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
-        """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        graph: Graph,
+        *,
+        input_grad_mask: torch.Tensor | None = None,
+        output_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``; the masks are
+        S-SpMM hints (see :func:`tessera.nn.conv._util.linear_then_aggregate`)."""
         lin_nobias = _WeightOnly(self.lin_l)
-        out = linear_then_aggregate(graph, x, lin_nobias, self.aggr, None, self.backend)
+        out = linear_then_aggregate(
+            graph,
+            x,
+            lin_nobias,
+            self.aggr,
+            None,
+            self.backend,
+            input_grad_mask=input_grad_mask,
+            output_mask=output_mask,
+        )
         if self.lin_l.bias is not None:
             out = out + self.lin_l.bias
         if self.lin_r is not None:
@@ -48,6 +65,12 @@ class SAGEConv(nn.Module):
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return out
+
+    def s_spmm_sides(self) -> tuple[bool, bool]:
+        """Which S-SpMM hint this layer uses: (``input_grad_mask``, ``output_mask``); none after
+        ``normalize``, which mixes a row's entries."""
+        last = aggregates_output(self.lin_l)
+        return not last, last and not self.normalize
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, aggr={self.aggr}"
