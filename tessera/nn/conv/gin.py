@@ -30,7 +30,11 @@ class GINConv(nn.Module):
     def forward(self, x: torch.Tensor, graph: Graph, *, input_grad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x``; ``input_grad_mask`` is an S-SpMM hint
         for the backward aggregation (see :func:`tessera.ops.aggregate`)."""
-        out = ops.aggregate(graph, x, "sum", None, self.backend, grad_mask=input_grad_mask) + (1 + self.eps) * x
+        out = ops.aggregate(graph, x, "sum", None, self.backend, grad_mask=input_grad_mask)
+        if isinstance(self.eps, torch.nn.Parameter):
+            out = out + (1 + self.eps) * x
+        else:  # in place on the fresh aggregate (which nothing saved): no N x F temporaries
+            out = out.add_(x, alpha=1.0 + float(self.eps))
         return self.nn(out)
 
     def s_spmm_sides(self) -> tuple[bool, bool]:
