@@ -75,7 +75,14 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
 
 
 def shutdown(clean: bool = True) -> None:
-    """Leave the process group if one was joined (``clean`` is kept for callers; a barrier here
-    made torchrun-restarted workers fail, so teardown does not wait for peers)."""
+    """Leave the process group if one was joined. After a clean run every rank first meets the
+    others, so none tears gloo down while a peer still talks to it (seen in CI as a SIGABRT in a
+    torchrun worker). (This barrier once broke restarted torchrun workers; the cause was the
+    stale agent store, fixed since by the per-attempt prefix in ``_attempt_store``.)"""
     if dist.is_initialized():
+        if clean:
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass  # a peer is already gone: still leave the group
         dist.destroy_process_group()
