@@ -22,6 +22,13 @@ _BLOCK = 1 << 14
 _element_hash = index_hash(0x9E3779B9)
 
 
+@numba.njit(inline="always")
+def block_key(seed_lo, seed_hi, start):
+    """The hash key of the block starting at element ``start``: the high bits of the index are
+    mixed in so tensors over 2**32 elements do not repeat their mask."""
+    return np.uint32(hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo))
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _masked_scale(src, out, seed_lo, seed_hi, threshold, scale):
     n = src.size
@@ -29,9 +36,7 @@ def _masked_scale(src, out, seed_lo, seed_hi, threshold, scale):
     for b in numba.prange(nblocks):
         start = b * _BLOCK
         stop = min(n, start + _BLOCK)
-        # Mix the high bits of the index into the per-block key so tensors over 2**32 elements
-        # do not repeat their mask.
-        key = np.uint32(hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo))
+        key = block_key(seed_lo, seed_hi, start)
         # Slices with a local index vectorise; indexing the whole array by the global index did
         # not (measured 3x slower on 169k x 256).
         a, o = src[start:stop], out[start:stop]

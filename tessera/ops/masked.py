@@ -24,8 +24,7 @@ import torch
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.ops.aggregate import inv_in_degree
-from tessera.ops.dropout import _BLOCK, _element_hash, keep_threshold
-from tessera.ops.hashing import hash32
+from tessera.ops.dropout import _BLOCK, _element_hash, block_key, keep_threshold
 from tessera.ops.registry import get_backend
 from tessera.ops.threads import sync_numba_threads
 
@@ -140,7 +139,7 @@ def _keep_kernel(out, seed_lo, seed_hi, threshold):
     for b in numba.prange(nblocks):
         start = b * _BLOCK
         stop = min(n, start + _BLOCK)
-        key = np.uint32(hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo))
+        key = block_key(seed_lo, seed_hi, start)
         o = out[start:stop]
         for i in range(stop - start):
             o[i] = _element_hash(start + i, key) >= threshold
