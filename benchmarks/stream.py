@@ -1,10 +1,11 @@
-"""STREAM-style memory bandwidth (copy, scale, add, triad) with numba parallel kernels.
+"""STREAM-style memory bandwidth (copy, scale, add, triad, and a read-only sum) with numba kernels.
 
 Three arrays of ``--array-mb`` MB each (default 200 MB, far larger than any cache), first
 touched by the same parallel loop shape the kernels use, then each kernel runs ``--repeats``
 times; the best time counts, as in McCalpin's STREAM. Bytes are counted the STREAM way (no
 write-allocate traffic): copy and scale move 2 arrays, add and triad 3, each element
-``itemsize`` bytes (8 for float64, 4 for float32).
+``itemsize`` bytes (8 for float64, 4 for float32). ``read`` (not in McCalpin's STREAM) sums one
+array: the bound for kernels that read far more than they write, such as quantization.
 
     python benchmarks/stream.py --threads 2
     python benchmarks/stream.py --threads 2 --json      # one JSON object on stdout
@@ -22,8 +23,8 @@ import numba
 import numpy as np
 from numba import prange
 
-KERNELS = ("copy", "scale", "add", "triad")
-ARRAYS_MOVED = {"copy": 2, "scale": 2, "add": 3, "triad": 3}
+KERNELS = ("copy", "scale", "add", "triad", "read")
+ARRAYS_MOVED = {"copy": 2, "scale": 2, "add": 3, "triad": 3, "read": 1}
 
 
 @numba.njit(parallel=True, cache=False)
@@ -58,11 +59,20 @@ def _triad(a: np.ndarray, b: np.ndarray, c: np.ndarray, s: float) -> None:
         a[i] = b[i] + s * c[i]
 
 
+@numba.njit(parallel=True, fastmath=True, cache=False)
+def _read(a: np.ndarray) -> float:
+    # fastmath lets the reduction use vector lanes; the sum itself is not used.
+    s = 0.0
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+
+
 def measure_bandwidth(
     threads: int, array_bytes: float = 2e8, repeats: int = 10, dtype: str = "float64"
 ) -> dict[str, float]:
     """Best-of-``repeats`` bandwidth in GB/s (10^9 bytes/s) of each STREAM kernel on ``threads``
-    numba threads; keys ``copy``, ``scale``, ``add``, ``triad``."""
+    numba threads; keys ``copy``, ``scale``, ``add``, ``triad``, ``read``."""
     numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
     dt = np.dtype(dtype)
     n = int(array_bytes) // dt.itemsize
@@ -74,6 +84,7 @@ def measure_bandwidth(
         "scale": lambda: _scale(b, c, s),
         "add": lambda: _add(a, b, c),
         "triad": lambda: _triad(a, b, c, s),
+        "read": lambda: _read(b),
     }
     best = dict.fromkeys(KERNELS, float("inf"))
     for k in KERNELS:  # compile outside the timed region

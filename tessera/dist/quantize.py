@@ -31,10 +31,13 @@ value decodes to within one step ``S`` of its group of the input, plus the float
 the result.
 
 The random bits come from lowbias32, the hash of :mod:`tessera.ops.dropout`, one hash per two
-values (16 bits each), written as 32-bit LLVM IR because numba would widen it to 64-bit lanes;
-AVX-512 then hashes 16 at a time. Measured on 1 M x 256 (``benchmarks/bench_quantize.py``,
-``benchmarks/RESULTS.md``): decode at 75-78 % of the STREAM triad, encode at 44-49 % (its
-min/max pass is the bottleneck).
+values (16 bits each): value ``32c + i`` of a row (``i < 32``) takes half ``i // 16`` of the hash
+of pair ``16c + i % 16``, so 16 hashes in one vector serve 32 values without shuffles. Both
+passes are explicit 16-lane LLVM IR (numba would widen 32-bit hashes to 64-bit lanes and reduce
+each row's min/max horizontally). Measured on 1 M x 256 (``benchmarks/bench_quantize.py``,
+``benchmarks/RESULTS.md``, 2 threads): decode at 80-96 % of the STREAM triad; encode at 64-86 %
+(8 bits) and 49-68 % (4 and 2 bits), bound by instruction throughput when the machine's
+bandwidth is high.
 """
 
 from __future__ import annotations
@@ -48,15 +51,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tessera.dist.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
+from tessera.ops.hashing import const
 from tessera.ops.hashing import hash32 as _hash32
 from tessera.ops.hashing import hash_u32 as _hash_u32
-from tessera.ops.hashing import index_hash
+from tessera.ops.hashing import index_hash, lowbias32_ir
 from tessera.ops.threads import sync_numba_threads
 
 _F32_MAX = np.float64(np.finfo(np.float32).max)
 _F32_HALF = _F32_MAX / 2
 _F32_TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal
-_ABS = np.int32(0x7FFFFFFF)
 _POS_INF = np.int32(0x7F800000)  # order keys >= this: +inf or nan
 _NEG_INF = np.int32(-0x7F800001)  # order keys <= this: -inf or nan (the key of -inf)
 # No nnan/ninf (non-finite rows are detected; the overflow checks need inf) and no reassoc,
@@ -77,9 +80,11 @@ _pair_hash = index_hash(0x85EBCA6B)
 def _one_plus_u(builder, h, high):
     # 1 + (h16 + 1/2) / 2**16 as float32 bits: the 16 random bits under the exponent of 1.0, and
     # the bit below them set, so u is centred in its 2**-16 cell; no int-to-float conversion.
-    v = builder.lshr(h, ir.Constant(_I32, 9)) if high else builder.shl(h, ir.Constant(_I32, 7))
-    v = builder.or_(builder.and_(v, ir.Constant(_I32, 0x7FFF80)), ir.Constant(_I32, 0x3F800040))
-    return builder.bitcast(v, ir.FloatType())
+    # ``h`` is an i32 or a vector of them.
+    v = builder.lshr(h, const(h.type, 9)) if high else builder.shl(h, const(h.type, 7))
+    v = builder.or_(builder.and_(v, const(h.type, 0x7FFF80)), const(h.type, 0x3F800040))
+    f32 = ir.FloatType()
+    return builder.bitcast(v, ir.VectorType(f32, h.type.count) if isinstance(h.type, ir.VectorType) else f32)
 
 
 @intrinsic
@@ -130,6 +135,58 @@ def _max32(typingctx, a, b):
     return types.int32(types.int32, types.int32), codegen
 
 
+_V16 = ir.VectorType(_I32, 16)
+
+
+def _reduce16(builder, op: str, v):
+    """``llvm.vector.reduce.<op>`` of a 16 x i32 vector."""
+    name = f"llvm.vector.reduce.{op}.v16i32"
+    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(_I32, [_V16]), name)
+    return builder.call(fn, [v])
+
+
+@intrinsic
+def _key_range(typingctx, flat, start, n):
+    """The least and greatest order keys (see ``_order``) of the int32 float bits
+    ``flat[start : start + n]``, ``n`` a multiple of 16, with 16-lane vector min/max: numba's
+    scalar loop keeps one lane and runs at about two thirds of this speed. Empty: (max, min)."""
+
+    def codegen(context, builder, sig, args):
+        aty, (ary, first, count) = sig.args[0], args
+        base = cgutils.get_item_pointer(
+            context, builder, aty, context.make_array(aty)(context, builder, ary), [first], wraparound=False
+        )
+        vp = builder.bitcast(base, _V16.as_pointer())
+        nv = builder.udiv(count, ir.Constant(count.type, 16))
+        zero = ir.Constant(count.type, 0)
+        big, small = ir.Constant(_V16, [0x7FFFFFFF] * 16), ir.Constant(_V16, [-0x80000000] * 16)
+        pre = builder.basic_block
+        loop, done = builder.append_basic_block("keys.loop"), builder.append_basic_block("keys.done")
+        builder.cbranch(builder.icmp_unsigned(">", nv, zero), loop, done)
+        builder.position_at_end(loop)
+        i, lo, hi = builder.phi(count.type), builder.phi(_V16), builder.phi(_V16)
+        v = builder.load(builder.gep(vp, [i]), align=4)
+        o = builder.xor(
+            v, builder.and_(builder.ashr(v, ir.Constant(_V16, [31] * 16)), ir.Constant(_V16, [0x7FFFFFFF] * 16))
+        )
+        lo2 = builder.select(builder.icmp_signed("<", o, lo), o, lo)
+        hi2 = builder.select(builder.icmp_signed(">", o, hi), o, hi)
+        i2 = builder.add(i, ir.Constant(count.type, 1))
+        for phi, init, nxt in ((i, zero, i2), (lo, big, lo2), (hi, small, hi2)):
+            phi.add_incoming(init, pre)
+            phi.add_incoming(nxt, loop)
+        builder.cbranch(builder.icmp_unsigned("<", i2, nv), loop, done)
+        builder.position_at_end(done)
+        lo_end, hi_end = builder.phi(_V16), builder.phi(_V16)
+        for phi, init, last in ((lo_end, big, lo2), (hi_end, small, hi2)):
+            phi.add_incoming(init, pre)
+            phi.add_incoming(last, loop)
+        pair = [_reduce16(builder, "smin", lo_end), _reduce16(builder, "smax", hi_end)]
+        return context.make_tuple(builder, sig.return_type, pair)
+
+    return types.UniTuple(types.int32, 2)(flat, start, n), codegen
+
+
 @intrinsic
 def _field(typingctx, byte, shift, mask):
     """``(byte >> shift) & mask`` as a float32."""
@@ -151,39 +208,100 @@ def _q(v, f, zero, inv, top):
 
 
 @numba.njit(inline="always")
-def _pack(row, out, bits, zero, inv, top, key):
-    # Value j takes half j % 2 of the hash of pair j // 2.
-    n = row.shape[0]
-    if bits == 8:
-        for k in range(n // 2):
-            h = _pair_hash(k, key)
-            out[2 * k] = np.uint8(_q(row[2 * k], _u_lo(h), zero, inv, top))
-            out[2 * k + 1] = np.uint8(_q(row[2 * k + 1], _u_hi(h), zero, inv, top))
-    elif bits == 4:
-        for k in range(n // 2):
-            h = _pair_hash(k, key)
-            out[k] = np.uint8(
-                _q(row[2 * k], _u_lo(h), zero, inv, top) | (_q(row[2 * k + 1], _u_hi(h), zero, inv, top) << 4)
-            )
-    else:
-        for k in range(n // 4):
-            h0, h1 = _pair_hash(2 * k, key), _pair_hash(2 * k + 1, key)
-            out[k] = np.uint8(
-                _q(row[4 * k], _u_lo(h0), zero, inv, top)
-                | (_q(row[4 * k + 1], _u_hi(h0), zero, inv, top) << 2)
-                | (_q(row[4 * k + 2], _u_lo(h1), zero, inv, top) << 4)
-                | (_q(row[4 * k + 3], _u_hi(h1), zero, inv, top) << 6)
-            )
+def _pack_tail(row, out, bits, zero, inv, top, key, j0):
+    # Values j0.. (j0 a multiple of 32) one at a time, with the random bits of _pack32.
     per = 8 // bits
     b = np.int32(0)
-    for j in range(n - n % max(2, per), n):  # values after the last full group
-        h = _pair_hash(j // 2, key)
-        qj = _q(row[j], _u_hi(h) if j % 2 else _u_lo(h), zero, inv, top)
+    for j in range(j0, row.shape[0]):
+        h = _pair_hash((j >> 5) * 16 + (j & 15), key)
+        qj = _q(row[j], _u_hi(h) if j & 16 else _u_lo(h), zero, inv, top)
         if bits == 8:
             out[j] = np.uint8(qj)
         else:
             b |= qj << (bits * (j % per))
-            out[n // per] = np.uint8(b)
+            if j % per == per - 1 or j == row.shape[0] - 1:
+                out[j // per] = np.uint8(b)
+                b = 0
+
+
+def _pack32(bits: int):
+    """Intrinsic ``(row, out, c, zero, inv, key)``: quantize values ``32c .. 32c + 31`` of float32
+    ``row`` into their ``32 * bits / 8`` bytes of ``out``, 16 lanes at a time. Value ``32c + i``
+    rounds with half ``i // 16`` of the hash of pair ``16c + i % 16``, so one vector of 16 hashes
+    serves both halves without shuffles; packing ``2**bits``-ary values into bytes is done with
+    shifts within 64-bit lanes and truncation."""
+    f32 = ir.FloatType()
+    f32x16, i32x16, i64x8 = ir.VectorType(f32, 16), ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(64), 8)
+    nbytes = 32 * bits // 8
+
+    @intrinsic
+    def pack32(typingctx, row, out, c, zero, inv, key):
+        def codegen(context, builder, sig, args):
+            c = args[2]
+
+            def splat(x, ty):
+                one = builder.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(one, one, ir.Constant(i32x16, [0] * 16))
+
+            src = builder.bitcast(
+                _item_ptr(context, builder, sig.args[0], args[0], builder.mul(c, ir.Constant(c.type, 32))),
+                f32x16.as_pointer(),
+            )
+            pair = builder.add(
+                splat(builder.trunc(builder.mul(c, ir.Constant(c.type, 16)), _I32), i32x16),
+                ir.Constant(i32x16, list(range(16))),
+            )
+            h = builder.add(builder.mul(pair, const(i32x16, 0x85EBCA6B)), splat(args[5], i32x16))
+            h = lowbias32_ir(builder, h)
+            zero, inv = splat(args[3], f32x16), splat(args[4], f32x16)
+            top = const(f32x16, float(2**bits))
+            q1 = []  # q + 1, in 1 .. 2**bits
+            for half in (0, 1):
+                v = builder.load(builder.gep(src, [ir.Constant(_I32, half)]), align=4)
+                w = builder.fmul(builder.fsub(v, zero), inv, flags=["contract"])
+                w = builder.fadd(w, _one_plus_u(builder, h, half == 1), flags=["contract"])
+                w = builder.select(builder.fcmp_ordered("<", w, top), w, top)
+                q1.append(builder.fptosi(w, i32x16))
+            # Fields are added, not or-ed, so the bytes hold sum((q + 1) << bits * i); one byte
+            # subtraction of sum(1 << bits * i) then leaves the packed q (all exact modulo 256).
+            parts = []
+            for v in q1:
+                if bits < 8:  # value pairs (lanes 2m, 2m + 1) meet in 64-bit lane m
+                    v = builder.bitcast(v, i64x8)
+                    v = builder.add(v, builder.lshr(v, const(i64x8, 32 - bits)))
+                if bits == 2:  # then pairs of pairs, in the low 32 bits of each 64-bit lane
+                    i64x4 = ir.VectorType(ir.IntType(64), 4)
+                    v = builder.bitcast(builder.trunc(v, ir.VectorType(_I32, 8)), i64x4)
+                    v = builder.add(v, builder.lshr(v, const(i64x4, 28)))
+                parts.append(builder.trunc(v, ir.VectorType(ir.IntType(8), v.type.count)))
+            n = parts[0].type.count
+            packed = builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
+            ones = sum(1 << (bits * i) for i in range(8 // bits))
+            packed = builder.sub(packed, const(packed.type, ones))
+            dst = _item_ptr(context, builder, sig.args[1], args[1], builder.mul(c, ir.Constant(c.type, nbytes)))
+            builder.store(packed, builder.bitcast(dst, packed.type.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(row, out, types.intp, types.float32, types.float32, types.uint32), codegen
+
+    return pack32
+
+
+_pack32_8, _pack32_4, _pack32_2 = _pack32(8), _pack32(4), _pack32(2)
+
+
+@numba.njit(inline="always")
+def _pack(row, out, bits, zero, inv, top, key):
+    # float32 zero and inv: whole 32-value chunks in vectors, then the rest one at a time.
+    chunks = row.shape[0] // 32
+    for c in range(chunks):
+        if bits == 8:
+            _pack32_8(row, out, c, zero, inv, key)
+        elif bits == 4:
+            _pack32_4(row, out, c, zero, inv, key)
+        else:
+            _pack32_2(row, out, c, zero, inv, key)
+    _pack_tail(row, out, bits, zero, inv, top, key, chunks * 32)
 
 
 def _item_ptr(context, builder, aryty, ary, k):
@@ -257,7 +375,7 @@ def _encode_rare(rows, rec, bits, ndata, lo, hi, r0, skey):
         inv = 1.0 / np.float64(scale) if scale > 0 else 0.0
         for i in range(m):
             rr = rec[i * ndata : (i + 1) * ndata]
-            _pack(rows[i], rr, bits, np.float64(mn), inv, np.float64(2**bits), _row_key(r0 + i, skey))
+            _pack_tail(rows[i], rr, bits, np.float64(mn), inv, np.float64(2**bits), _row_key(r0 + i, skey), 0)
         _put_f32(rec, pofs, scale)
         _put_f32(rec, pofs + 4, mn)
 
@@ -278,19 +396,18 @@ def _encode(x, out, bits, ndata, group, rstart, gstart, bstart, seed_lo, seed_hi
     width = x.shape[1]
     qmax, top = np.float64(2**bits - 1), np.float32(2**bits)
     skey = np.uint32(_hash32(_hash32(seed_lo) ^ seed_hi))
-    xb = x.view(np.int32)
+    flat = x.view(np.int32).reshape(-1)  # x is C-contiguous: a group's rows are one run
     stride = group * ndata + _PARAMS
     for g in numba.prange(gstart[-1]):
         b = np.searchsorted(gstart, g, side="right") - 1
         r0, m, off, pofs = _locate(g, b, group, stride, ndata, rstart, gstart, bstart)
         # Pass 1: the group's min and max (its rows then sit in L1 for pass 2).
-        lo, hi = _ABS, ~_ABS
-        for r in range(r0, r0 + m):
-            keys = xb[r]
-            for j in range(width):
-                o = _order(keys[j])
-                lo = _min32(lo, o)
-                hi = _max32(hi, o)
+        first, n = r0 * width, m * width
+        lo, hi = _key_range(flat, first, n - n % 16)
+        for k in range(first + n - n % 16, first + n):
+            o = _order(flat[k])
+            lo = _min32(lo, o)
+            hi = _max32(hi, o)
         mn = _bits_f32(_order(lo))
         span, scale = _scale(mn, _bits_f32(_order(hi)), qmax)  # nan for non-finite groups and width 0
         # qmax / span rather than 1 / scale keeps the division off the scale's rounding: a shorter

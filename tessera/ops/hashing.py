@@ -26,12 +26,17 @@ def hash32(v):
     return v
 
 
+def const(ty: ir.Type, value) -> ir.Constant:
+    """``value`` as a constant of the scalar or vector type ``ty`` (a vector gets it in every lane)."""
+    return ir.Constant(ty, [value] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, value)
+
+
 def lowbias32_ir(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """Emit lowbias32 of the i32 ``v``."""
+    """Emit lowbias32 of the i32 (or vector of i32) ``v``."""
     for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-        v = builder.xor(v, builder.lshr(v, ir.Constant(_I32, shift)))
-        v = builder.mul(v, ir.Constant(_I32, mul))
-    return builder.xor(v, builder.lshr(v, ir.Constant(_I32, 16)))
+        v = builder.xor(v, builder.lshr(v, const(v.type, shift)))
+        v = builder.mul(v, const(v.type, mul))
+    return builder.xor(v, builder.lshr(v, const(v.type, 16)))
 
 
 @intrinsic
