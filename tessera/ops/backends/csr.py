@@ -138,6 +138,11 @@ def _prefetch_row(x, indices, p, last, f0, nf, step):
     while c < end:
         _prefetch(x, jp, c)
         c += step
+    # A row that is not a whole number of cache lines wide starts mid-line, so the steps above
+    # miss its last line: one demand miss per edge made width 47 run 2.5x slower per feature
+    # than 48 on products (260 -> 130-155 ms with this). step is a power of two (% would divide).
+    if x.shape[1] & (step - 1):
+        _prefetch(x, jp, end - 1)
 
 
 def _make_rows(width: int):
