@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints (default 10)")
     t.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint in --out")
     t.add_argument("--plot", action="store_true", default=None, help="write curves.png with loss and accuracy")
+    t.add_argument(
+        "--s-spmm",
+        action="store_true",
+        default=None,
+        help="masked aggregation (S-SpMM) where dropout/ReLU masks allow it; same results, measured slower on CPU",
+    )
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="hide the progress bar")
     t.add_argument("--config", help="TOML file of settings named like the flags; flags override it")
     t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")

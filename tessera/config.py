@@ -49,6 +49,7 @@ class TrainConfig:
     norm: str = "none"
     label_prop: float = 0.0
     reorder: str = "auto"
+    s_spmm: bool = False
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for out-of-range values; returns self."""

@@ -116,6 +116,7 @@ class Trainer:
             backend=cfg.backend,
             norm=cfg.norm,
             label_classes=graph.num_classes if cfg.label_prop > 0 else 0,
+            s_spmm=cfg.s_spmm,
         )
         self.log = None
         if hasattr(graph, "configure_comm"):

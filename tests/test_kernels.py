@@ -9,6 +9,7 @@ import torch
 
 from helpers import awkward_graph, dense_adjacency
 from tessera import ops
+from tessera.ops import sparsity
 from tessera.ops.backends import csr as csr_mod
 from tessera.ops.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
 
@@ -330,3 +331,54 @@ def test_models_use_s_spmm_and_match_the_plain_composition(monkeypatch, model, h
     calls.clear()
     m(g.x, g)
     assert calls == {}  # no dropout in evaluation: plain aggregation
+
+
+def test_train_flag_s_spmm_reaches_the_model_and_leaves_the_run_unchanged(monkeypatch, tmp_path, capsys):
+    # `tessera train --s-spmm` turns S-SpMM on (the masked kernel runs) and, as S-SpMM computes
+    # the same values, the loss history matches the default run's.
+    import json
+
+    import tessera.ops.masked as masked_mod
+    from tessera.cli import main
+
+    calls = []
+    real = masked_mod.masked_product
+    monkeypatch.setattr(masked_mod, "masked_product", lambda *a, **k: calls.append(1) or real(*a, **k))
+    hist = {}
+    for flag in ([], ["--s-spmm"]):
+        out = tmp_path / ("on" if flag else "off")
+        argv = ["train", "--dataset", "synthetic:tiny", "--model", "gcn", "--layers", "3", "--epochs", "3"]
+        assert main([*argv, "--hidden", "64", "--out", str(out), "--no-progress", *flag]) == 0
+        hist[bool(flag)] = [r["train_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+        assert bool(calls) == bool(flag)
+    capsys.readouterr()
+    np.testing.assert_allclose(hist[True], hist[False], rtol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_backward_product_of_mostly_zero_rows_gathers_only_live_rows(monkeypatch, weighted):
+    # A^T g with g zero outside a few rows (the loss gradient off the training vertices) runs on
+    # the transposed CSR kept to edges into live rows: same values as the reference, a plan per
+    # live-row pattern, and no plan when most rows are live.
+    monkeypatch.setattr(sparsity, "MIN_ROWS", 0)
+    monkeypatch.setattr(csr_mod, "_LIVE_KEEP", 100)
+    g = awkward_graph(n=300, e=3000, seed=3)
+    w = torch.rand(g.num_edges) if weighted else None
+    csr, ref = ops.get_backend("csr"), ops.get_backend("reference")
+    gen = torch.Generator().manual_seed(0)
+    plans = g.cached("csr_live_plans", dict)
+    for share, width in ((0.1, 7), (0.3, 47), (0.1, 200)):
+        x = torch.randn(g.num_nodes, width, generator=gen)
+        x[torch.rand(g.num_nodes, generator=gen) >= share] = 0
+        before = len(plans)
+        _close(csr.spmm_t(g, x, w), ref.spmm_t(g, x, w))
+        assert len(plans) == before + 1
+        r = int((x == 0).all(1).nonzero()[0])
+        x[r, 3] = float("nan")  # a non-finite entry makes its row live and reaches its sources
+        got = csr.spmm_t(g, x, w)
+        srcs = g.indices[g.indptr[r] : g.indptr[r + 1]].long()
+        assert torch.isnan(got[srcs, 3]).all() and len(plans) == before + 2
+    dense = torch.randn(g.num_nodes, 16, generator=gen)
+    before = len(plans)
+    _close(csr.spmm_t(g, dense, w), ref.spmm_t(g, dense, w))
+    assert len(plans) == before  # most rows live: the full transposed CSR

@@ -136,12 +136,21 @@ def test_dropout_mask_is_the_documented_hash_of_seed_and_index():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_matches_torch_forward_and_backward(bias):
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_linear_matches_torch_forward_and_backward(bias, sparse_grad, monkeypatch):
+    # sparse_grad: the output gradient is zero outside a tenth of the rows (a loss on training
+    # vertices only), so the backward products run on the live rows alone.
+    from tessera.ops import sparsity
+
     torch.manual_seed(0)
     x = torch.randn(1031, 67, requires_grad=True)
     w = torch.randn(45, 67, requires_grad=True)
     b = torch.randn(45, requires_grad=True) if bias else None
     g = torch.randn(1031, 45)
+    if sparse_grad:
+        monkeypatch.setattr(sparsity, "MIN_ROWS", 0)
+        g[torch.rand(1031) > 0.1] = 0
+    assert (sparsity.sparse_rows(g) is not None) == sparse_grad
     state = torch.get_rng_state()
     y = ops.linear(x, w, b)
     assert torch.equal(torch.get_rng_state(), state)  # no random draws: seeds downstream stay put

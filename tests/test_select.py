@@ -97,6 +97,18 @@ def test_kernels_command_reports_every_backend_and_the_choice(cache, capsys):
     assert "choice" in text and str(cache) in text
 
 
+def test_kernels_command_choice_is_the_fastest_it_measured_and_is_stored(cache, capsys, monkeypatch):
+    monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)  # big enough for auto to measure
+    assert main(["kernels", "--dataset", "synthetic:tiny", "--width", "8,32", "--reps", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    stored = json.loads(cache.read_text())
+    g = generate("tiny", seed=0)
+    for r in rows:
+        assert r["choice"] == min(r["seconds"], key=r["seconds"].get), r
+        key = select.decision_key(g, r["width"], "sum", False, 1, r["direction"])
+        assert stored[key]["choice"] == r["choice"] and stored[key]["seconds"] == r["seconds"]
+
+
 @pytest.mark.parametrize("argv", [["--width", "0"], ["--width", "a,b"], ["--reduce", "max"], ["--reps", "0"]])
 def test_kernels_command_bad_flags_are_one_line_errors(cache, capsys, argv):
     assert main(["kernels", "--dataset", "synthetic:tiny", *argv]) == 2

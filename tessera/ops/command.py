@@ -49,8 +49,16 @@ def kernel_table(graph, widths: list[int], reduce: str = "sum", reps: int = 5) -
             x = torch.randn(n, width, generator=gen)
             names = select.candidates(x)
             seconds = select.measure(graph, x, None, names, transposed, reps)
-            select.clear_memo(graph)
-            choice = select.choose(graph, x, None, reduce, direction)
+            # auto's decision from this very measurement when the problem is big enough for
+            # auto to measure at all (else the cost model's pick), stored as a training run's
+            # trial would store it.
+            trial = select.trial_candidates(graph, width, False, transposed, names)
+            key = select.decision_key(graph, width, reduce, False, 1, direction)
+            if len(trial) > 1:
+                choice = select.record(graph, key, {k: seconds[k] for k in trial})
+            else:
+                select.clear_memo(graph)
+                choice = select.choose(graph, x, None, reduce, direction)
             nbytes = select.traffic_bytes(graph, width, False, transposed)
             rows.append(
                 {

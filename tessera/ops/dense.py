@@ -10,8 +10,11 @@ dtypes and torch builds without the op use ``torch.nn.functional.linear``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tessera.ops.sparsity import sparse_rows
 
 _LP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 _enabled: bool | None = None
@@ -52,8 +55,16 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         g = g.contiguous()
+        live = sparse_rows(g)
+        if live is not None:  # most rows of g are zero: the products need only the others
+            rows = torch.from_numpy(np.flatnonzero(live))
+            g = g.index_select(0, rows)
         gx = _mm_t(g, weight.t()) if ctx.needs_input_grad[0] else None
-        gw = g.t().mm(x) if ctx.needs_input_grad[1] else None
+        if gx is not None and live is not None:
+            gx = x.new_zeros(x.shape).index_copy_(0, rows, gx)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = g.t().mm(x if live is None else x.index_select(0, rows))
         gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 

@@ -14,7 +14,6 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,17 +102,6 @@ def model_cost(name: str, graph: Graph, width: int, weighted: bool, transposed: 
 _EFFICIENCY = {"csr": 1.0, "reference": 0.6}
 
 
-def time_call(fn: Callable[[], Any], reps: int = _TRIAL_REPS) -> float:
-    """Median wall time of ``reps`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def choose(
     graph: Graph,
     x: torch.Tensor,
@@ -137,17 +125,29 @@ def choose(
         memo[key] = entry["choice"]
         return memo[key]
     transposed = direction == "backward"
-    costs = {n: model_cost(n, graph, width, weight is not None, transposed) for n in names}
+    trial = trial_candidates(graph, width, weight is not None, transposed, names)
+    if len(trial) > 1:
+        return record(graph, key, measure(graph, x, weight, trial, transposed))
+    memo[key] = trial[0]
+    return trial[0]
+
+
+def trial_candidates(graph: Graph, width: int, weighted: bool, transposed: bool, names: list[str]) -> list[str]:
+    """The backends worth a measured trial, best model cost first: only the model's favourite when
+    the problem is too small for a trial to pay, else those within 3x of its cost."""
+    costs = {n: model_cost(n, graph, width, weighted, transposed) for n in names}
     ranked = sorted(names, key=lambda n: costs[n])
-    choice = ranked[0]
-    measured: dict[str, float] = {}
-    if graph.num_edges * width >= _TRIAL_MIN_WORK and len(ranked) > 1:
-        # Only backends the model puts within 3x of its favourite are worth a trial.
-        trial = [n for n in ranked if costs[n] <= 3 * costs[ranked[0]]]
-        measured = measure(graph, x, weight, trial, transposed)
-        choice = min(measured, key=measured.get)
-        _write_disk(key, {"choice": choice, "seconds": measured})
-    memo[key] = choice
+    if graph.num_edges * width < _TRIAL_MIN_WORK:
+        return ranked[:1]
+    return [n for n in ranked if costs[n] <= 3 * costs[ranked[0]]]
+
+
+def record(graph: Graph, key: str, seconds: dict[str, float]) -> str:
+    """Store the fastest of ``seconds`` (measured backend times) as the decision for ``key``, in
+    memory and on disk, and return it."""
+    choice = min(seconds, key=seconds.get)
+    _write_disk(key, {"choice": choice, "seconds": seconds})
+    graph.cached("backend_choices", dict)[key] = choice
     return choice
 
 
@@ -159,17 +159,26 @@ def measure(
     transposed: bool,
     reps: int = _TRIAL_REPS,
 ) -> dict[str, float]:
-    """Median seconds of one SpMM (or transposed SpMM) per backend on this input."""
+    """Median seconds of one SpMM (or transposed SpMM) per backend on this input. The backends'
+    runs alternate (after one warm-up call each), so a slow spell of a shared machine falls on
+    all of them rather than on one."""
     from tessera.ops.registry import get_backend
 
     x = x.detach()
     w = None if weight is None else weight.detach()
-    out = {}
+    calls = {}
     for name in names:
         b = get_backend(name)
         fn = b.spmm_t if transposed else b.spmm
-        out[name] = time_call(lambda fn=fn: fn(graph, x, w), reps)
-    return out
+        calls[name] = lambda fn=fn: fn(graph, x, w)
+        calls[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def clear_memo(graph: Graph) -> None:

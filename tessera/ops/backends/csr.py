@@ -37,6 +37,7 @@ paths (which one runs depends on the thread count) give bitwise-identical rows.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import weakref
 
@@ -50,6 +51,7 @@ from numba.extending import intrinsic
 
 from tessera.graph import Graph
 from tessera.ops.registry import register_backend
+from tessera.ops.sparsity import sparse_rows
 from tessera.ops.threads import sync_numba_threads
 
 _TILE = 16  # float32 per cache line (64 B)
@@ -472,6 +474,61 @@ def new_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+# ---------------------------------------------------------------------------------- live rows
+# A backward product ``A^T g`` whose gradient ``g`` is zero in most rows (the loss gradient of the
+# last layer is non-zero only on the training vertices) gathers only the edges into live rows:
+# zero rows add nothing, so the result is the same, for a fraction of the memory traffic.
+_LIVE_KEEP = 4  # filtered graphs kept per graph (one per live-row pattern)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _count_live_edges(indptr, indices, live, counts):
+    for r in numba.prange(indptr.shape[0] - 1):
+        c = 0
+        for e in range(indptr[r], indptr[r + 1]):
+            c += live[indices[e]]
+        counts[r] = c
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _keep_live_edges(indptr, indices, live, sub_indptr, sub_indices, pos):
+    for r in numba.prange(indptr.shape[0] - 1):
+        k = sub_indptr[r]
+        for e in range(indptr[r], indptr[r + 1]):
+            if live[indices[e]]:
+                sub_indices[k] = indices[e]
+                pos[k] = e
+                k += 1
+
+
+def live_subgraph(indptr: np.ndarray, indices: np.ndarray, live: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The CSR ``(indptr, indices)`` restricted to entries whose column is ``live``, and each kept
+    entry's position in the original arrays."""
+    counts = np.empty(indptr.size - 1, np.int64)
+    _count_live_edges(indptr, indices, live, counts)
+    sub_indptr = np.zeros(indptr.size, indptr.dtype)
+    np.cumsum(counts, out=sub_indptr[1:])
+    sub_indices = np.empty(int(sub_indptr[-1]), indices.dtype)
+    pos = np.empty(sub_indices.size, np.int64)
+    _keep_live_edges(indptr, indices, live, sub_indptr, sub_indices, pos)
+    return sub_indptr, sub_indices, pos
+
+
+def column_passes(indptr: np.ndarray, width: int, threads: int) -> list[np.ndarray]:
+    """Work items per pass over column blocks of at most ``_COLUMN_BLOCK`` features: a wide
+    product runs as one parallel pass per block, so the rows being gathered at a time span
+    one block of every neighbour's row and more of them stay in cache (width 256 as two
+    passes of 128: 8 % faster on arxiv, width 512: 19 %; blocks of 64: slower)."""
+    if width <= _COLUMN_BLOCK + _COLUMN_BLOCK // 2:
+        return [work_items(indptr, width, threads)]
+    passes = []
+    for c0 in range(0, width, _COLUMN_BLOCK):
+        items = work_items(indptr, min(_COLUMN_BLOCK, width - c0), threads)
+        items[:, 2:] += c0
+        passes.append(items)
+    return passes
+
+
 class CSRBackend:
     """numba CSR SpMM with nnz-balanced 2D work items; deterministic forward and backward."""
 
@@ -488,24 +545,33 @@ class CSRBackend:
         return graph.cached(key, make)
 
     def _passes(self, graph: Graph, transposed: bool, width: int) -> list[np.ndarray]:
-        """Work items per pass over column blocks of at most ``_COLUMN_BLOCK`` features: a wide
-        product runs as one parallel pass per block, so the rows being gathered at a time span
-        one block of every neighbour's row and more of them stay in cache (width 256 as two
-        passes of 128: 8 % faster on arxiv, width 512: 19 %; blocks of 64: slower)."""
-        if width <= _COLUMN_BLOCK + _COLUMN_BLOCK // 2:
-            return [self._items(graph, transposed, width)]
+        """:func:`column_passes` of this graph (or its transpose), cached on the graph."""
         threads = numba.get_num_threads()
         key = ("csr_passes", transposed, width, threads, _ITEMS_PER_THREAD, _COLUMN_BLOCK)
 
         def make() -> list[np.ndarray]:
-            passes = []
-            for c0 in range(0, width, _COLUMN_BLOCK):
-                items = self._items(graph, transposed, min(_COLUMN_BLOCK, width - c0)).copy()
-                items[:, 2:] += c0
-                passes.append(items)
-            return passes
+            indptr = graph.transpose().indptr if transposed else graph.indptr
+            return column_passes(indptr.numpy().astype(np.int64), width, threads)
 
         return graph.cached(key, make)
+
+    def _live_plan(self, graph: Graph, x: torch.Tensor):
+        """For ``A^T x`` with mostly-zero rows of ``x``: the transposed CSR kept to the edges into
+        live rows, those edges' positions, and its work items; None when too many rows are live.
+        Cached per live-row pattern (the training rows' pattern repeats every epoch)."""
+        live = sparse_rows(x)
+        if live is None:
+            return None
+        plans = graph.cached("csr_live_plans", dict)
+        key = (hashlib.blake2b(live.tobytes(), digest_size=16).digest(), x.shape[1], numba.get_num_threads())
+        if key not in plans:
+            indptr, indices = self._csr(graph, True)
+            sub_indptr, sub_indices, pos = live_subgraph(indptr, indices, live)
+            passes = column_passes(sub_indptr.astype(np.int64), x.shape[1], numba.get_num_threads())
+            while len(plans) >= _LIVE_KEEP:
+                plans.pop(next(iter(plans)))
+            plans[key] = (sub_indptr, sub_indices, torch.from_numpy(pos), passes)
+        return plans[key]
 
     def _csr(self, graph: Graph, transposed: bool) -> tuple[np.ndarray, np.ndarray]:
         if transposed:
@@ -540,8 +606,13 @@ class CSRBackend:
         indptr, indices = self._csr(graph, transposed)
         dist = prefetch_distance(int(np.prod(x.shape[1:])), x.element_size())
         if x.dim() == 2 and (w is None or w.dim() == 1):
+            plan = self._live_plan(graph, x) if transposed else None
+            if plan is not None:
+                indptr, indices, pos, passes = plan
+                w = None if w is None else w[pos]
+            else:
+                passes = self._passes(graph, transposed, x.shape[1])
             wn = _np(w.to(x.dtype)) if w is not None else np.zeros(1, x.numpy().dtype)
-            passes = self._passes(graph, transposed, x.shape[1])
             dist = prefetch_distance(x.shape[1] if len(passes) == 1 else _COLUMN_BLOCK, x.element_size())
             for items in passes:
                 _spmm(indptr, indices, wn, w is not None, x.numpy(), out.numpy(), items, dist)
