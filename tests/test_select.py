@@ -131,3 +131,28 @@ def test_cora_accuracy_does_not_depend_on_the_backend(planetoid_root, cache, mon
     assert acc["reference"] > 0.78, acc
     for a in acc.values():
         assert abs(a - acc["reference"]) <= 0.005, acc
+
+
+def test_auto_sends_row_sparse_backward_gradients_to_the_live_row_csr_path(cache, monkeypatch):
+    # The measured choice comes from dense inputs; a gradient that is zero off a few rows takes
+    # the csr backend, which gathers only live rows, whatever was chosen; dense ones keep the choice.
+    from tessera.ops import sparsity
+    from tessera.ops.registry import get_backend
+
+    monkeypatch.setattr(sparsity, "MIN_ROWS", 0)
+    monkeypatch.setattr(select, "choose", lambda *a, **k: "reference")
+    csr = get_backend("csr")
+    calls = []
+    real = csr.spmm_t
+    monkeypatch.setattr(csr, "spmm_t", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = awkward_graph()
+    for share, expect in ((0.1, [1]), (1.0, [])):
+        calls.clear()
+        x1 = torch.randn(g.num_nodes, 5, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_()
+        grad = torch.randn(g.num_nodes, 5)
+        grad[torch.rand(g.num_nodes) >= share] = 0
+        ops.aggregate(g, x1, "sum", None, "auto").backward(grad)
+        ops.aggregate(g, x2, "sum", None, "reference").backward(grad)
+        assert calls == expect
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)

@@ -27,8 +27,15 @@ def _scale_rows(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def _resolve(name: str, graph: Graph, x: torch.Tensor, weight, reduce: str, direction: str) -> AggregationBackend:
     if name == "auto":
+        from tessera.ops.registry import available_backends
         from tessera.ops.select import choose
+        from tessera.ops.sparsity import sparse_rows
 
+        # A backward gradient that is zero in most rows (loss on the training vertices only) goes
+        # to the csr backend, whose transposed product gathers only the live rows; the measured
+        # choice was made on dense inputs.
+        if direction == "backward" and "csr" in available_backends() and sparse_rows(x) is not None:
+            return get_backend("csr")
         name = choose(graph, x, weight, reduce, direction)
     return get_backend(name)
 
