@@ -185,3 +185,19 @@ def test_retain_freed_memory_is_opt_in_and_idempotent():
     env["TESSERA_MALLOC"] = "retain"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]  # glibc (Linux CI): takes effect, twice the same
+
+
+def test_sparse_rows_marks_live_rows_and_forgets_a_modified_tensor(monkeypatch):
+    from tessera.ops import sparsity
+
+    monkeypatch.setattr(sparsity, "MIN_ROWS", 0)
+    g = torch.zeros(2000, 33)
+    rows = torch.tensor([3, 700, 1999])
+    g[rows, 5] = 1.0
+    g[1000, 32] = float("nan")  # nan in the last, partial block of 16 still makes a row live
+    live = sparsity.sparse_rows(g)
+    assert live is not None and torch.from_numpy(live).nonzero().view(-1).tolist() == [3, 700, 1000, 1999]
+    assert sparsity.sparse_rows(g) is live  # remembered for the same unmodified tensor
+    g[:1500] = 1.0  # in place: most rows now live, and the answer is computed again
+    assert sparsity.sparse_rows(g) is None
+    assert sparsity.sparse_rows(torch.ones(2000, 33)) is None

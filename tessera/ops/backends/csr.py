@@ -597,6 +597,7 @@ class CSRBackend:
 
     def _run(self, graph: Graph, transposed: bool, x: torch.Tensor, w: torch.Tensor | None, out=None):
         sync_numba_threads()
+        given = x  # sparse_rows remembers its last answer by the caller's tensor object
         x = x.detach().contiguous()
         rows = graph.num_cols if transposed else graph.num_rows
         if out is None:
@@ -606,7 +607,7 @@ class CSRBackend:
         indptr, indices = self._csr(graph, transposed)
         dist = prefetch_distance(int(np.prod(x.shape[1:])), x.element_size())
         if x.dim() == 2 and (w is None or w.dim() == 1):
-            plan = self._live_plan(graph, x) if transposed else None
+            plan = self._live_plan(graph, given) if transposed else None
             if plan is not None:
                 indptr, indices, pos, passes = plan
                 w = None if w is None else w[pos]
