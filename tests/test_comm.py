@@ -34,7 +34,7 @@ def _accuracy_worker(rank, world, port, root, configs, out_dir):
                     dropout=0.5,
                     lr=0.01,
                     weight_decay=5e-4,
-                    epochs=200,
+                    epochs=120,
                     seed=seed,
                     out=str(Path(out_dir) / f"{name}-{seed}"),
                     progress=False,
