@@ -74,7 +74,15 @@ _CHUNK = 64  # rows per parallel work item in decode
 _PARAMS = PARAM_BYTES
 
 
-_pair_hash = index_hash(0x85EBCA6B)
+_PAIR_MUL = 0x85EBCA6B  # pair index multiplier of the rounding hash (scalar and vector paths)
+_pair_hash = index_hash(_PAIR_MUL)
+
+
+def _splat(builder, x, count: int = 16):
+    """A ``count``-lane vector holding the scalar ``x`` in every lane."""
+    ty = ir.VectorType(x.type, count)
+    one = builder.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, count), [0] * count))
 
 
 def _one_plus_u(builder, h, high):
@@ -159,7 +167,7 @@ def _key_range(typingctx, flat, start, n):
         vp = builder.bitcast(base, _V16.as_pointer())
         nv = builder.udiv(count, ir.Constant(count.type, 16))
         zero = ir.Constant(count.type, 0)
-        big, small = ir.Constant(_V16, [0x7FFFFFFF] * 16), ir.Constant(_V16, [-0x80000000] * 16)
+        big, small = const(_V16, 0x7FFFFFFF), const(_V16, -0x80000000)
         pre = builder.basic_block
         loop, done = builder.append_basic_block("keys.loop"), builder.append_basic_block("keys.done")
         builder.cbranch(builder.icmp_unsigned(">", nv, zero), loop, done)
@@ -167,7 +175,7 @@ def _key_range(typingctx, flat, start, n):
         i, lo, hi = builder.phi(count.type), builder.phi(_V16), builder.phi(_V16)
         v = builder.load(builder.gep(vp, [i]), align=4)
         o = builder.xor(
-            v, builder.and_(builder.ashr(v, ir.Constant(_V16, [31] * 16)), ir.Constant(_V16, [0x7FFFFFFF] * 16))
+            v, builder.and_(builder.ashr(v, const(_V16, 31)), const(_V16, 0x7FFFFFFF))
         )
         lo2 = builder.select(builder.icmp_signed("<", o, lo), o, lo)
         hi2 = builder.select(builder.icmp_signed(">", o, hi), o, hi)
@@ -239,21 +247,17 @@ def _pack32(bits: int):
         def codegen(context, builder, sig, args):
             c = args[2]
 
-            def splat(x, ty):
-                one = builder.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(i32x16, [0] * 16))
-
             src = builder.bitcast(
                 _item_ptr(context, builder, sig.args[0], args[0], builder.mul(c, ir.Constant(c.type, 32))),
                 f32x16.as_pointer(),
             )
             pair = builder.add(
-                splat(builder.trunc(builder.mul(c, ir.Constant(c.type, 16)), _I32), i32x16),
+                _splat(builder, builder.trunc(builder.mul(c, ir.Constant(c.type, 16)), _I32)),
                 ir.Constant(i32x16, list(range(16))),
             )
-            h = builder.add(builder.mul(pair, const(i32x16, 0x85EBCA6B)), splat(args[5], i32x16))
+            h = builder.add(builder.mul(pair, const(i32x16, _PAIR_MUL)), _splat(builder, args[5]))
             h = lowbias32_ir(builder, h)
-            zero, inv = splat(args[3], f32x16), splat(args[4], f32x16)
+            zero, inv = _splat(builder, args[3]), _splat(builder, args[4])
             top = const(f32x16, float(2**bits))
             q1 = []  # q + 1, in 1 .. 2**bits
             for half in (0, 1):
@@ -443,12 +447,8 @@ def _stream16(bits: int):
                 v = builder.lshr(v, ir.Constant(i32x16, [(i % per) * bits for i in range(16)]))
                 v = builder.and_(v, ir.Constant(i32x16, [2**bits - 1] * 16))
 
-            def splat(x):
-                one = builder.insert_element(ir.Constant(f32x16, None), x, ir.Constant(_I32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(i32x16, [0] * 16))
-
-            v = builder.fmul(builder.uitofp(v, f32x16), splat(args[3]), flags=["contract"])
-            v = builder.fadd(v, splat(args[4]), flags=["contract"])
+            v = builder.fmul(builder.uitofp(v, f32x16), _splat(builder, args[3]), flags=["contract"])
+            v = builder.fadd(v, _splat(builder, args[4]), flags=["contract"])
             store = builder.store(v, builder.bitcast(dst, f32x16.as_pointer()), align=64)
             store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
             return context.get_dummy_value()
