@@ -3,9 +3,11 @@
 Rows are quantized in groups of ``G`` consecutive rows (``tessera.dist.wire.GROUP_ROWS``, 4 by
 default; a block's last group may be shorter, and no group spans two blocks). Each group gets one
 zero point ``Z = min`` and scale ``S = (max - min) / (2**b - 1)`` over all its values (rounded up
-to a float32); a value becomes ``q = floor((x - Z) / S + u)``, clamped to ``[0, 2**b - 1]``, with
-``u`` uniform in (0, 1) from a counter-based hash of (seed, row, column). The rounding is
-unbiased, ``E[q * S + Z] = x`` up to 16-bit ``u`` and float32 arithmetic (under ``2e-4 * S``),
+to a float32); a value becomes ``q = floor(t + u)``, clamped to ``[0, 2**b - 1]``, where
+``t = (x - Z) / S`` is rounded to a multiple of ``2**-16`` and ``u = r / 2**16`` for 16 random
+bits ``r`` from a counter-based hash of (seed, row, column); both are computed in 16.16 fixed
+point, ``(round(t * 2**16) + r) >> 16``. The rounding is unbiased, ``E[q * S + Z] = x`` up to
+the ``2**-17 * S`` rounding of ``t`` and float32 arithmetic (under ``2e-4 * S``),
 the same for any thread count, block split or group size, and needs no state. Every worker
 encodes what it sends and decodes what it receives on its own (decentralised, §7.3 (1)). The
 kernel is fused (§7.3 (2)): one pass finds the group's min and max, the second quantizes and
@@ -34,10 +36,8 @@ The random bits come from lowbias32, the hash of :mod:`tessera.ops.dropout`, one
 values (16 bits each): value ``32c + i`` of a row (``i < 32``) takes half ``i // 16`` of the hash
 of pair ``16c + i % 16``, so 16 hashes in one vector serve 32 values without shuffles. Both
 passes are explicit 16-lane LLVM IR (numba would widen 32-bit hashes to 64-bit lanes and reduce
-each row's min/max horizontally). Measured on 1 M x 256 (``benchmarks/bench_quantize.py``,
-``benchmarks/RESULTS.md``, 2 threads): decode at 80-96 % of the STREAM triad; encode at 64-86 %
-(8 bits) and 49-68 % (4 and 2 bits), bound by instruction throughput when the machine's
-bandwidth is high.
+each row's min/max horizontally). Throughput on 1 M x 256, 2 threads, against the STREAM triad of
+the same run: ``benchmarks/bench_quantize.py``, tables in ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -51,17 +51,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tessera.dist.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
-from tessera.ops.hashing import const
+from tessera.ops.hashing import const, index_hash, lowbias32_ir
 from tessera.ops.hashing import hash32 as _hash32
 from tessera.ops.hashing import hash_u32 as _hash_u32
-from tessera.ops.hashing import index_hash, lowbias32_ir
 from tessera.ops.threads import sync_numba_threads
 
 _F32_MAX = np.float64(np.finfo(np.float32).max)
 _F32_HALF = _F32_MAX / 2
 _F32_TINY = np.float32(np.finfo(np.float32).tiny)  # smallest normal
-_POS_INF = np.int32(0x7F800000)  # order keys >= this: +inf or nan
-_NEG_INF = np.int32(-0x7F800001)  # order keys <= this: -inf or nan (the key of -inf)
 # No nnan/ninf (non-finite rows are detected; the overflow checks need inf) and no reassoc,
 # which could turn (x - Z) * inv into x * inv - Z * inv and make it negative at x = Z.
 _FAST = {"nsz", "arcp", "contract", "afn"}
@@ -85,26 +82,6 @@ def _splat(builder, x, count: int = 16):
     return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, count), [0] * count))
 
 
-def _one_plus_u(builder, h, high):
-    # 1 + (h16 + 1/2) / 2**16 as float32 bits: the 16 random bits under the exponent of 1.0, and
-    # the bit below them set, so u is centred in its 2**-16 cell; no int-to-float conversion.
-    # ``h`` is an i32 or a vector of them.
-    v = builder.lshr(h, const(h.type, 9)) if high else builder.shl(h, const(h.type, 7))
-    v = builder.or_(builder.and_(v, const(h.type, 0x7FFF80)), const(h.type, 0x3F800040))
-    f32 = ir.FloatType()
-    return builder.bitcast(v, ir.VectorType(f32, h.type.count) if isinstance(h.type, ir.VectorType) else f32)
-
-
-@intrinsic
-def _u_lo(typingctx, h):
-    return types.float32(types.uint32), lambda context, builder, sig, args: _one_plus_u(builder, args[0], False)
-
-
-@intrinsic
-def _u_hi(typingctx, h):
-    return types.float32(types.uint32), lambda context, builder, sig, args: _one_plus_u(builder, args[0], True)
-
-
 @intrinsic
 def _f32_bits(typingctx, x):
     return types.int32(types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], _I32)
@@ -115,84 +92,99 @@ def _bits_f32(typingctx, v):
     return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
 
 
-@intrinsic
-def _order(typingctx, b):
-    """float32 bits <-> int32 keys in the same order (an involution): integer min/max vectorise,
-    numba's float min/max do not."""
-
-    def codegen(context, builder, sig, args):
-        sign = builder.ashr(args[0], ir.Constant(_I32, 31))
-        return builder.xor(args[0], builder.and_(sign, ir.Constant(_I32, 0x7FFFFFFF)))
-
-    return types.int32(types.int32), codegen
-
-
-@intrinsic
-def _min32(typingctx, a, b):
-    def codegen(context, builder, sig, args):
-        return builder.select(builder.icmp_signed("<", args[0], args[1]), args[0], args[1])
-
-    return types.int32(types.int32, types.int32), codegen
-
-
-@intrinsic
-def _max32(typingctx, a, b):
-    def codegen(context, builder, sig, args):
-        return builder.select(builder.icmp_signed(">", args[0], args[1]), args[0], args[1])
-
-    return types.int32(types.int32, types.int32), codegen
-
-
-_V16 = ir.VectorType(_I32, 16)
+_F32X16 = ir.VectorType(ir.FloatType(), 16)
 
 
 def _reduce16(builder, op: str, v):
-    """``llvm.vector.reduce.<op>`` of a 16 x i32 vector."""
-    name = f"llvm.vector.reduce.{op}.v16i32"
-    fn = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(_I32, [_V16]), name)
+    """``llvm.vector.reduce.<op>`` of a 16 x float32 vector."""
+    name = f"llvm.vector.reduce.{op}.v16f32"
+    fn = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(ir.FloatType(), [_F32X16]), name
+    )
     return builder.call(fn, [v])
 
 
+_LANES = 4  # independent accumulators in _value_range: min, max and fma chains have latency
+
+
 @intrinsic
-def _key_range(typingctx, flat, start, n):
-    """The least and greatest order keys (see ``_order``) of the int32 float bits
-    ``flat[start : start + n]``, ``n`` a multiple of 16, with 16-lane vector min/max: numba's
-    scalar loop keeps one lane and runs at about two thirds of this speed. Empty: (max, min)."""
+def _value_range(typingctx, flat, start, n):
+    """``(min, max, probe)`` of the float32 values ``flat[start : start + n]``, ``n`` a multiple of
+    16, with 16-lane vector min/max; ``probe`` is the sum of ``value * 0``, nan when a value is
+    inf or nan (which min/max may skip). Empty: (inf, -inf, 0). Runs of 64 values go through
+    ``_LANES`` independent accumulator sets, the 16-value rest through the first."""
 
     def codegen(context, builder, sig, args):
         aty, (ary, first, count) = sig.args[0], args
         base = cgutils.get_item_pointer(
             context, builder, aty, context.make_array(aty)(context, builder, ary), [first], wraparound=False
         )
-        vp = builder.bitcast(base, _V16.as_pointer())
-        nv = builder.udiv(count, ir.Constant(count.type, 16))
-        zero = ir.Constant(count.type, 0)
-        big, small = const(_V16, 0x7FFFFFFF), const(_V16, -0x80000000)
-        pre = builder.basic_block
-        loop, done = builder.append_basic_block("keys.loop"), builder.append_basic_block("keys.done")
-        builder.cbranch(builder.icmp_unsigned(">", nv, zero), loop, done)
-        builder.position_at_end(loop)
-        i, lo, hi = builder.phi(count.type), builder.phi(_V16), builder.phi(_V16)
-        v = builder.load(builder.gep(vp, [i]), align=4)
-        o = builder.xor(
-            v, builder.and_(builder.ashr(v, const(_V16, 31)), const(_V16, 0x7FFFFFFF))
-        )
-        lo2 = builder.select(builder.icmp_signed("<", o, lo), o, lo)
-        hi2 = builder.select(builder.icmp_signed(">", o, hi), o, hi)
-        i2 = builder.add(i, ir.Constant(count.type, 1))
-        for phi, init, nxt in ((i, zero, i2), (lo, big, lo2), (hi, small, hi2)):
-            phi.add_incoming(init, pre)
-            phi.add_incoming(nxt, loop)
-        builder.cbranch(builder.icmp_unsigned("<", i2, nv), loop, done)
-        builder.position_at_end(done)
-        lo_end, hi_end = builder.phi(_V16), builder.phi(_V16)
-        for phi, init, last in ((lo_end, big, lo2), (hi_end, small, hi2)):
-            phi.add_incoming(init, pre)
-            phi.add_incoming(last, loop)
-        pair = [_reduce16(builder, "smin", lo_end), _reduce16(builder, "smax", hi_end)]
-        return context.make_tuple(builder, sig.return_type, pair)
+        vp = builder.bitcast(base, _F32X16.as_pointer())
+        ity = count.type
+        nv = builder.udiv(count, ir.Constant(ity, 16))
+        nbig = builder.udiv(nv, ir.Constant(ity, _LANES))
+        zero = ir.Constant(ity, 0)
+        init = (const(_F32X16, np.inf), const(_F32X16, -np.inf), const(_F32X16, 0.0))
 
-    return types.UniTuple(types.int32, 2)(flat, start, n), codegen
+        def update(acc, v):
+            lo, hi, probe = acc
+            return (
+                builder.select(builder.fcmp_ordered("<", v, lo), v, lo),  # one vminps
+                builder.select(builder.fcmp_ordered(">", v, hi), v, hi),
+                builder.fadd(probe, builder.fmul(v, init[2], flags=["contract"]), flags=["contract"]),  # one fma
+            )
+
+        def counted_loop(name, trips, state, body):
+            # for i in range(trips): state = body(i, state); returns the final state.
+            pre = builder.basic_block
+            loop, done = builder.append_basic_block(name), builder.append_basic_block(name + ".done")
+            builder.cbranch(builder.icmp_unsigned(">", trips, zero), loop, done)
+            builder.position_at_end(loop)
+            i = builder.phi(ity)
+            phis = [builder.phi(v.type) for v in state]
+            nxt = body(i, phis)
+            i2 = builder.add(i, ir.Constant(ity, 1))
+            for phi, a, b in zip([i, *phis], [zero, *state], [i2, *nxt]):
+                phi.add_incoming(a, pre)
+                phi.add_incoming(b, loop)
+            end = builder.basic_block
+            builder.cbranch(builder.icmp_unsigned("<", i2, trips), loop, done)
+            builder.position_at_end(done)
+            outs = []
+            for a, b in zip(state, nxt):
+                phi = builder.phi(a.type)
+                phi.add_incoming(a, pre)
+                phi.add_incoming(b, end)
+                outs.append(phi)
+            return outs
+
+        def big_body(i, phis):
+            out = []
+            for k in range(_LANES):
+                j = builder.add(builder.mul(i, ir.Constant(ity, _LANES)), ir.Constant(ity, k))
+                out.extend(update(phis[3 * k : 3 * k + 3], builder.load(builder.gep(vp, [j]), align=4)))
+            return out
+
+        accs = counted_loop("range.big", nbig, list(init) * _LANES, big_body)
+        done_v = builder.mul(nbig, ir.Constant(ity, _LANES))
+
+        def small_body(i, phis):
+            return update(phis, builder.load(builder.gep(vp, [builder.add(done_v, i)]), align=4))
+
+        accs[:3] = counted_loop("range.rest", builder.sub(nv, done_v), accs[:3], small_body)
+        lo, hi, probe = accs[:3]
+        for k in range(1, _LANES):
+            a = accs[3 * k : 3 * k + 3]
+            lo = builder.select(builder.fcmp_ordered("<", a[0], lo), a[0], lo)
+            hi = builder.select(builder.fcmp_ordered(">", a[1], hi), a[1], hi)
+            probe = builder.fadd(probe, a[2])
+        out = [_reduce16(builder, "fmin", lo), _reduce16(builder, "fmax", hi)]
+        nan = builder.bitcast(builder.fcmp_unordered("uno", probe, probe), ir.IntType(16))  # any lane nan
+        bad = builder.icmp_unsigned("!=", nan, ir.Constant(ir.IntType(16), 0))
+        out.append(builder.select(bad, ir.Constant(ir.FloatType(), np.nan), ir.Constant(ir.FloatType(), 0.0)))
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return types.UniTuple(types.float32, 3)(flat, start, n), codegen
 
 
 @intrinsic
@@ -207,22 +199,23 @@ def _field(typingctx, byte, shift, mask):
 
 
 @numba.njit(inline="always")
-def _q(v, f, zero, inv, top):
-    # floor(t + u) as trunc(t + f) - 1 with f = 1 + u: t + f >= 1, so truncation is floor.
-    # top = 2**b clamps the rare t + f that rounds past qmax + 1.
-    w = (v - zero) * inv + f
-    w = w if w < top else top
-    return np.int32(w) - np.int32(1)
+def _q(v, zero, inv16, r, qmax):
+    # floor((round(t * 2**16) + r) / 2**16) for t = (v - Z) / S and 16 random bits r: t + u
+    # rounded down, u = r / 2**16 uniform; t >= 0 (Z is the minimum), and qmax clamps the rare
+    # t that float rounding puts past qmax.
+    t = np.int64((v - zero) * inv16 + 0.5)
+    return min((t + r) >> 16, qmax)
 
 
 @numba.njit(inline="always")
-def _pack_tail(row, out, bits, zero, inv, top, key, j0):
+def _pack_tail(row, out, bits, zero, inv16, key, j0):
     # Values j0.. (j0 a multiple of 32) one at a time, with the random bits of _pack32.
     per = 8 // bits
-    b = np.int32(0)
+    qmax = np.int64(2**bits - 1)
+    b = np.int64(0)
     for j in range(j0, row.shape[0]):
-        h = _pair_hash((j >> 5) * 16 + (j & 15), key)
-        qj = _q(row[j], _u_hi(h) if j & 16 else _u_lo(h), zero, inv, top)
+        h = np.int64(_pair_hash((j >> 5) * 16 + (j & 15), key))
+        qj = _q(row[j], zero, inv16, h >> 16 if j & 16 else h & 0xFFFF, qmax)
         if bits == 8:
             out[j] = np.uint8(qj)
         else:
@@ -233,17 +226,17 @@ def _pack_tail(row, out, bits, zero, inv, top, key, j0):
 
 
 def _pack32(bits: int):
-    """Intrinsic ``(row, out, c, zero, inv, key)``: quantize values ``32c .. 32c + 31`` of float32
-    ``row`` into their ``32 * bits / 8`` bytes of ``out``, 16 lanes at a time. Value ``32c + i``
-    rounds with half ``i // 16`` of the hash of pair ``16c + i % 16``, so one vector of 16 hashes
-    serves both halves without shuffles; packing ``2**bits``-ary values into bytes is done with
-    shifts within 64-bit lanes and truncation."""
+    """Intrinsic ``(row, out, c, zero, inv16, key)``: quantize values ``32c .. 32c + 31`` of
+    float32 ``row`` into their ``32 * bits / 8`` bytes of ``out``, 16 lanes at a time, in 16.16
+    fixed point (see ``_q``). Value ``32c + i`` rounds with half ``i // 16`` of the hash of pair
+    ``16c + i % 16``, so one vector of 16 hashes serves both halves without shuffles; packing
+    ``2**bits``-ary values into bytes is done with shifts within 64-bit lanes and truncation."""
     f32 = ir.FloatType()
     f32x16, i32x16, i64x8 = ir.VectorType(f32, 16), ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(64), 8)
     nbytes = 32 * bits // 8
 
     @intrinsic
-    def pack32(typingctx, row, out, c, zero, inv, key):
+    def pack32(typingctx, row, out, c, zero, inv16, key):
         def codegen(context, builder, sig, args):
             c = args[2]
 
@@ -257,31 +250,30 @@ def _pack32(bits: int):
             )
             h = builder.add(builder.mul(pair, const(i32x16, _PAIR_MUL)), _splat(builder, args[5]))
             h = lowbias32_ir(builder, h)
-            zero, inv = _splat(builder, args[3]), _splat(builder, args[4])
-            top = const(f32x16, float(2**bits))
-            q1 = []  # q + 1, in 1 .. 2**bits
+            zero, inv16 = _splat(builder, args[3]), _splat(builder, args[4])
+            qs = []
             for half in (0, 1):
                 v = builder.load(builder.gep(src, [ir.Constant(_I32, half)]), align=4)
-                w = builder.fmul(builder.fsub(v, zero), inv, flags=["contract"])
-                w = builder.fadd(w, _one_plus_u(builder, h, half == 1), flags=["contract"])
-                w = builder.select(builder.fcmp_ordered("<", w, top), w, top)
-                q1.append(builder.fptosi(w, i32x16))
-            # Fields are added, not or-ed, so the bytes hold sum((q + 1) << bits * i); one byte
-            # subtraction of sum(1 << bits * i) then leaves the packed q (all exact modulo 256).
+                w = builder.fmul(builder.fsub(v, zero), inv16, flags=["contract"])
+                t = builder.fptosi(builder.fadd(w, const(f32x16, 0.5), flags=["contract"]), i32x16)
+                r = builder.lshr(h, const(i32x16, 16)) if half else builder.and_(h, const(i32x16, 0xFFFF))
+                q = builder.lshr(builder.add(t, r), const(i32x16, 16))
+                qmax = const(i32x16, 2**bits - 1)
+                qs.append(builder.select(builder.icmp_unsigned(">", q, qmax), qmax, q))
             parts = []
-            for v in q1:
+            for v in qs:
                 if bits < 8:  # value pairs (lanes 2m, 2m + 1) meet in 64-bit lane m
                     v = builder.bitcast(v, i64x8)
-                    v = builder.add(v, builder.lshr(v, const(i64x8, 32 - bits)))
+                    v = builder.or_(v, builder.lshr(v, const(i64x8, 32 - bits)))
                 if bits == 2:  # then pairs of pairs, in the low 32 bits of each 64-bit lane
                     i64x4 = ir.VectorType(ir.IntType(64), 4)
                     v = builder.bitcast(builder.trunc(v, ir.VectorType(_I32, 8)), i64x4)
-                    v = builder.add(v, builder.lshr(v, const(i64x4, 28)))
+                    v = builder.or_(v, builder.lshr(v, const(i64x4, 28)))
                 parts.append(builder.trunc(v, ir.VectorType(ir.IntType(8), v.type.count)))
             n = parts[0].type.count
-            packed = builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
-            ones = sum(1 << (bits * i) for i in range(8 // bits))
-            packed = builder.sub(packed, const(packed.type, ones))
+            packed = builder.shuffle_vector(
+                parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n)))
+            )
             dst = _item_ptr(context, builder, sig.args[1], args[1], builder.mul(c, ir.Constant(c.type, nbytes)))
             builder.store(packed, builder.bitcast(dst, packed.type.as_pointer()), align=1)
             return context.get_dummy_value()
@@ -295,17 +287,17 @@ _pack32_8, _pack32_4, _pack32_2 = _pack32(8), _pack32(4), _pack32(2)
 
 
 @numba.njit(inline="always")
-def _pack(row, out, bits, zero, inv, top, key):
-    # float32 zero and inv: whole 32-value chunks in vectors, then the rest one at a time.
+def _pack(row, out, bits, zero, inv16, key):
+    # float32 zero and inv16: whole 32-value chunks in vectors, then the rest one at a time.
     chunks = row.shape[0] // 32
     for c in range(chunks):
         if bits == 8:
-            _pack32_8(row, out, c, zero, inv, key)
+            _pack32_8(row, out, c, zero, inv16, key)
         elif bits == 4:
-            _pack32_4(row, out, c, zero, inv, key)
+            _pack32_4(row, out, c, zero, inv16, key)
         else:
-            _pack32_2(row, out, c, zero, inv, key)
-    _pack_tail(row, out, bits, zero, inv, top, key, chunks * 32)
+            _pack32_2(row, out, c, zero, inv16, key)
+    _pack_tail(row, out, bits, zero, inv16, key, chunks * 32)
 
 
 def _item_ptr(context, builder, aryty, ary, k):
@@ -360,7 +352,7 @@ def _row_key(r, skey):
 
 
 @numba.njit(fastmath=_FAST, cache=True, nogil=True)
-def _encode_rare(rows, rec, bits, ndata, lo, hi, r0, skey):
+def _encode_rare(rows, rec, bits, ndata, mn, mx, finite, r0, skey):
     # Groups the float32 path cannot take: non-finite values, spans beyond float32, subnormal
     # scales, width 0. ``rows`` are the group's rows, ``rec`` its bytes. Out of line to keep the
     # hot loop small.
@@ -369,17 +361,16 @@ def _encode_rare(rows, rec, bits, ndata, lo, hi, r0, skey):
     if width == 0:
         _put_f32(rec, pofs, np.float32(0.0))
         _put_f32(rec, pofs + 4, np.float32(0.0))
-    elif hi >= _POS_INF or lo <= _NEG_INF:
+    elif not finite:
         rec[:pofs] = 0
         _put_f32(rec, pofs, np.float32(np.nan))
         _put_f32(rec, pofs + 4, np.float32(np.nan))
     else:
-        mn = _bits_f32(_order(lo))
-        span, scale = _scale(mn, _bits_f32(_order(hi)), np.float64(2**bits - 1))
-        inv = 1.0 / np.float64(scale) if scale > 0 else 0.0
+        span, scale = _scale(mn, mx, np.float64(2**bits - 1))
+        inv16 = 65536.0 / np.float64(scale) if scale > 0 else 0.0
         for i in range(m):
             rr = rec[i * ndata : (i + 1) * ndata]
-            _pack_tail(rows[i], rr, bits, np.float64(mn), inv, np.float64(2**bits), _row_key(r0 + i, skey), 0)
+            _pack_tail(rows[i], rr, bits, np.float64(mn), inv16, _row_key(r0 + i, skey), 0)
         _put_f32(rec, pofs, scale)
         _put_f32(rec, pofs + 4, mn)
 
@@ -398,33 +389,34 @@ def _locate(g, b, group, stride, ndata, rstart, gstart, bstart):
 @numba.njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
 def _encode(x, out, bits, ndata, group, rstart, gstart, bstart, seed_lo, seed_hi):
     width = x.shape[1]
-    qmax, top = np.float64(2**bits - 1), np.float32(2**bits)
+    qmax = np.float64(2**bits - 1)
     skey = np.uint32(_hash32(_hash32(seed_lo) ^ seed_hi))
-    flat = x.view(np.int32).reshape(-1)  # x is C-contiguous: a group's rows are one run
+    flat = x.reshape(-1)  # x is C-contiguous: a group's rows are one run
     stride = group * ndata + _PARAMS
     for g in numba.prange(gstart[-1]):
         b = np.searchsorted(gstart, g, side="right") - 1
         r0, m, off, pofs = _locate(g, b, group, stride, ndata, rstart, gstart, bstart)
         # Pass 1: the group's min and max (its rows then sit in L1 for pass 2).
         first, n = r0 * width, m * width
-        lo, hi = _key_range(flat, first, n - n % 16)
+        mn, mx, probe = _value_range(flat, first, n - n % 16)
         for k in range(first + n - n % 16, first + n):
-            o = _order(flat[k])
-            lo = _min32(lo, o)
-            hi = _max32(hi, o)
-        mn = _bits_f32(_order(lo))
-        span, scale = _scale(mn, _bits_f32(_order(hi)), qmax)  # nan for non-finite groups and width 0
+            v = flat[k]
+            mn = v if v < mn else mn
+            mx = v if v > mx else mx
+            probe += v * np.float32(0.0)
+        finite = probe == 0  # no inf or nan in the group
+        span, scale = _scale(mn, mx, qmax)  # -inf for width 0
         # qmax / span rather than 1 / scale keeps the division off the scale's rounding: a shorter
         # dependency chain before the rows can be packed; the two differ by under 2**-22.
-        inv = np.float32(qmax / span) if span > 0 else np.float32(0.0)
-        if span <= _F32_MAX and (scale >= _F32_TINY or scale == 0):
+        inv16 = np.float32(qmax * 65536.0 / span) if span > 0 else np.float32(0.0)
+        if finite and n > 0 and span <= _F32_MAX and (scale >= _F32_TINY or scale == 0):
             for i in range(m):
                 rec = out[off + i * ndata : off + (i + 1) * ndata]
-                _pack(x[r0 + i], rec, bits, mn, inv, top, _row_key(r0 + i, skey))
+                _pack(x[r0 + i], rec, bits, mn, inv16, _row_key(r0 + i, skey))
             _put_f32(out, pofs, scale)
             _put_f32(out, pofs + 4, mn)
         else:
-            _encode_rare(x[r0 : r0 + m], out[off : pofs + _PARAMS], bits, ndata, lo, hi, r0, skey)
+            _encode_rare(x[r0 : r0 + m], out[off : pofs + _PARAMS], bits, ndata, mn, mx, finite, r0, skey)
 
 
 def _stream16(bits: int):
