@@ -73,13 +73,20 @@ class Triad:
         return 3 * self.a.nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def _load_graph(name: str, order: str, width: int):
+def _load_graph(name: str, order: str, width: int, widths: list[int]):
+    """The graph in ``order``; ``auto`` is ``choose_order`` over all of ``widths`` (one numbering
+    for every width, as a training run aggregating at those widths gets). Returns the graph and
+    the order used."""
     g = generate(name, seed=0)
+    if order == "auto":
+        from tessera.graph.reorder import choose_order
+
+        order, width = choose_order(g, widths), max(widths)
     if order != "none":
         from tessera.graph.reorder import permute_graph, vertex_order
 
         g = permute_graph(g, vertex_order(g, order, width=width), features=False)
-    return g
+    return g, order
 
 
 def _candidates(g, x, gy, w, backends: list[str], masked: bool) -> dict[str, tuple[Callable, Callable | None]]:
@@ -118,10 +125,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     rows = []
     for gname in args.graphs:
         for width in args.widths:
-            g = _load_graph(gname, args.order, width)
+            g, order = _load_graph(gname, args.order, width, args.widths)
             n, nnz = g.num_nodes, g.num_edges
             print(
-                f"\n{g.name} ({args.order} order): {n:,} vertices, {nnz:,} edges, width {width}, {args.threads} threads"
+                f"\n{g.name} ({order} order{' (auto)' if args.order == 'auto' else ''}): {n:,} vertices, {nnz:,} edges, width {width}, {args.threads} threads"
             )
             for weighted in {"none": [False], "gcn": [True], "both": [False, True]}[args.weighted]:
                 w = g.gcn_norm(add_self_loops=False).edge_weight if weighted else None
@@ -167,7 +174,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     )
                     rows.append(
                         {
-                            "graph": gname, "order": args.order, "width": width, "weighted": weighted,
+                            "graph": gname, "order": order, "order_setting": args.order, "width": width, "weighted": weighted,
                             "kernel": name, "direction": d, "median_ms": med * 1e3, "min_ms": min(ts) * 1e3,
                             "gb_s": gbs, "triad_median": triad, "triad_best": best, "triad_before": bw_before,
                             "triad_after": bw_after,
@@ -184,7 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--widths", nargs="+", type=int, default=[128, 256])
     p.add_argument("--backends", nargs="+", default=["reference", "csr"], help="first one is the baseline")
     p.add_argument("--weighted", choices=("none", "gcn", "both"), default="both")
-    p.add_argument("--order", default="none", help="vertex order from tessera.graph.reorder (none, rcm, metis, degree)")
+    p.add_argument(
+        "--order",
+        default="none",
+        help="vertex order from tessera.graph.reorder (none, rcm, metis, degree, or auto: choose_order over --widths)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-masked", dest="masked", action="store_false", help="skip the S-SpMM rows")

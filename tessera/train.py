@@ -24,6 +24,7 @@ from tessera.dist.context import Comm, env_world_size
 from tessera.errors import ConfigError, DistributedError
 from tessera.graph import Graph
 from tessera.nn import build_model
+from tessera.nn.models import aggregation_widths
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -145,11 +146,13 @@ class Trainer:
         distributed) masks than an unnumbered one with the same seed."""
         from tessera.graph.reorder import VertexOrder, resolve
 
-        method = resolve(graph, self.cfg.reorder, self.cfg.hidden, self.cfg.backend)
+        cfg = self.cfg
+        widths = aggregation_widths(cfg.model, x.shape[1], cfg.hidden, graph.num_classes, cfg.layers)
+        method = resolve(graph, cfg.reorder, widths, cfg.backend)
         if method == "none":
             return graph, x
         self._fingerprint = graph.fingerprint()
-        self.order = VertexOrder.of(graph, method, self.cfg.hidden)
+        self.order = VertexOrder.of(graph, method, max(widths))
         return self.order.permute(graph, features=False), self.order.to_new(x)
 
     def fingerprint(self) -> str:

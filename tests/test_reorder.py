@@ -154,10 +154,54 @@ def test_choose_order_margin_and_decision_cache(tmp_path, monkeypatch):
     assert pick in ("rcm", "degree")
     files = list((tmp_path / "cache" / "orders").glob("choice-*.json"))
     assert len(files) == 2
-    rec = json.loads(next(f for f in files if json.loads(f.read_text())["width"] == 32).read_text())
+    rec = json.loads(next(f for f in files if json.loads(f.read_text())["widths"] == [32]).read_text())
     assert rec["choice"] == pick and set(rec["times"]) == {"none", "rcm", "degree"}
     monkeypatch.setattr(ro, "time_orders", lambda *a, **k: pytest.fail("measured again"))
     assert ro.choose_order(load("synthetic:small"), 32, candidates=("rcm", "degree"), margin=-100.0) == pick
+
+
+def test_choose_order_sums_the_widths_a_run_aggregates_at(monkeypatch):
+    # One numbering serves every layer: the choice goes by the total over the widths (a width
+    # listed twice counts twice), not by any one width.
+    g = load("synthetic:small")
+    per_width = {"none": {16: 1.0, 64: 4.0}, "rcm": {16: 0.2, 64: 4.2}, "degree": {16: 1.0, 64: 3.9}}
+    seen = []
+
+    def fake(graph, widths, methods, *a, **k):
+        seen.append(widths)
+        return {
+            m: {"order_s": 0.0, "agg_by_width": per_width[m], "agg_s": sum(per_width[m][w] for w in widths)}
+            for m in methods
+        }
+
+    monkeypatch.setattr(ro, "time_orders", fake)
+    cands = ("rcm", "degree")
+    assert ro.choose_order(g, 64, candidates=cands, margin=0.0) == "degree"  # 3.9 < 4.0 < 4.2
+    assert ro.choose_order(g, [64, 16], candidates=cands, margin=0.0) == "rcm"  # 4.4 < 4.9 < 5.0
+    assert ro.choose_order(g, [64, 64, 16], candidates=cands, margin=0.05) == "none"  # 8.6 > 0.95 * 9
+    assert seen == [(64,), (16, 64), (16, 64, 64)]
+    with pytest.raises(ConfigError):
+        ro.choose_order(g, [64, 0])
+
+
+def test_time_orders_reports_every_width_and_their_sum():
+    g = load("synthetic:small")
+    res = ro.time_orders(g, (8, 16, 16), ("none", "degree"), backend="csr", reps=1)
+    for m in ("none", "degree"):
+        by = res[m]["agg_by_width"]
+        assert set(by) == {8, 16} and min(by.values()) > 0
+        assert res[m]["agg_s"] == pytest.approx(by[8] + 2 * by[16])
+
+
+def test_trainer_measures_orders_at_the_models_aggregation_widths(tmp_path, monkeypatch):
+    g = load("synthetic:tiny")
+    monkeypatch.setattr(ro, "AUTO_MIN_NODES", 1)
+    asked = []
+    monkeypatch.setattr(ro, "choose_order", lambda graph, widths, backend: asked.append(list(widths)) or "none")
+    for model in ("gcn", "gin", "gat"):
+        Trainer(_cfg(tmp_path, model, model=model, epochs=1, hidden=24, heads=4, reorder="auto"), g)
+    f, c = g.x.shape[1], g.num_classes
+    assert asked == [[min(f, 24), min(24, c)], [f, 24], [24, c]]
 
 
 def test_auto_keeps_small_graphs_without_measuring(monkeypatch):

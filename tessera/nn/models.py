@@ -181,3 +181,12 @@ def exchange_widths(name: str, in_dim: int, hidden: int, out_dim: int, num_layer
     if name in ("gcn", "sage"):
         return [b if b <= a else a for a, b in zip(dims[:-1], dims[1:])]
     raise ConfigError(f"exchange widths are defined for gcn, sage and gin, not {name!r}")
+
+
+def aggregation_widths(name: str, in_dim: int, hidden: int, out_dim: int, num_layers: int = 2) -> list[int]:
+    """Width of the features each layer of :func:`build_model` aggregates: as
+    :func:`exchange_widths` for GCN, SAGE and GIN; GAT aggregates its transformed features
+    (``hidden`` wide, then ``out_dim`` in the one-head output layer)."""
+    if name.lower() == "gat":
+        return [hidden] * (num_layers - 1) + [out_dim]
+    return exchange_widths(name, in_dim, hidden, out_dim, num_layers)
