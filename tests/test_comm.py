@@ -12,6 +12,7 @@ from helpers import spawn_with_retry
 from tessera.config import TrainConfig
 from tessera.datasets import load
 from tessera.dist.launch import free_port
+from tessera.ops.threads import set_num_threads
 from tessera.train import Trainer
 
 
@@ -21,7 +22,7 @@ def _accuracy_worker(rank, world, port, root, configs, out_dir):
     )
     from tessera.dist.context import init_from_env, shutdown
 
-    torch.set_num_threads(1)
+    set_num_threads(1)  # numba's pool first, or it resets torch to every core
     comm = init_from_env(300)
     g = load("cora")
     acc = {}
@@ -71,7 +72,7 @@ def _exchange_worker(rank, world, port, out_dir):
     from tessera.dist.wire import block_bytes
     from tessera.graph.partition import partition
 
-    torch.set_num_threads(1)
+    set_num_threads(1)  # numba's pool first, or it resets torch to every core
     init_from_env(300)
     report = {}
     try:
@@ -129,7 +130,7 @@ def _bytes_worker(rank, world, port, root, out_dir):
     )
     from tessera.dist.context import init_from_env, shutdown
 
-    torch.set_num_threads(1)
+    set_num_threads(1)  # numba's pool first, or it resets torch to every core
     comm = init_from_env(300)
     got = {}
     try:
