@@ -187,6 +187,8 @@ def aggregation_widths(name: str, in_dim: int, hidden: int, out_dim: int, num_la
     """Width of the features each layer of :func:`build_model` aggregates: as
     :func:`exchange_widths` for GCN, SAGE and GIN; GAT aggregates its transformed features
     (``hidden`` wide, then ``out_dim`` in the one-head output layer)."""
+    if name.lower() not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if name.lower() == "gat":
         return [hidden] * (num_layers - 1) + [out_dim]
     return exchange_widths(name, in_dim, hidden, out_dim, num_layers)
