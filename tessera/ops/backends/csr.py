@@ -539,8 +539,7 @@ class CSRBackend:
         key = ("csr_items", transposed, width, threads, _ITEMS_PER_THREAD)
 
         def make() -> np.ndarray:
-            indptr = graph.transpose().indptr if transposed else graph.indptr
-            return work_items(indptr.numpy().astype(np.int64), width, threads)
+            return work_items(self._indptr64(graph, transposed), width, threads)
 
         return graph.cached(key, make)
 
@@ -550,8 +549,7 @@ class CSRBackend:
         key = ("csr_passes", transposed, width, threads, _ITEMS_PER_THREAD, _COLUMN_BLOCK)
 
         def make() -> list[np.ndarray]:
-            indptr = graph.transpose().indptr if transposed else graph.indptr
-            return column_passes(indptr.numpy().astype(np.int64), width, threads)
+            return column_passes(self._indptr64(graph, transposed), width, threads)
 
         return graph.cached(key, make)
 
@@ -572,6 +570,10 @@ class CSRBackend:
                 plans.pop(next(iter(plans)))
             plans[key] = (sub_indptr, sub_indices, torch.from_numpy(pos), passes)
         return plans[key]
+
+    def _indptr64(self, graph: Graph, transposed: bool) -> np.ndarray:
+        """Row pointers of the graph (or its transpose) as int64, for the work-item planners."""
+        return self._csr(graph, transposed)[0].astype(np.int64)
 
     def _csr(self, graph: Graph, transposed: bool) -> tuple[np.ndarray, np.ndarray]:
         if transposed:
