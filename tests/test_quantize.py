@@ -355,6 +355,29 @@ def test_hash_matches_dropout():
 
 
 @pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("width", [64, 100, 256])
+def test_vector_kernels_match_the_scalar_definition(bits, width):
+    # _pack (64-value chunks where the host has AVX-512BW, 32-value chunks, then one value at a
+    # time) writes the bytes of _pack_tail, which quantizes every value alone with its own random
+    # bits: the vector kernels round the same values with the same bits.
+    @numba.njit(fastmath=quantize._FAST)
+    def both(x, bits, zero, inv16, nd):
+        a, b = np.zeros((x.shape[0], nd), np.uint8), np.zeros((x.shape[0], nd), np.uint8)
+        for i in range(x.shape[0]):
+            key = np.uint32(1000003 * i + 17)
+            quantize._pack(x[i], a[i], bits, zero, inv16, key)
+            quantize._pack_tail(x[i], b[i], bits, zero, inv16, key, 0)
+        return a, b
+
+    x = np.random.default_rng(width).uniform(-1.0, 3.0, (40, width)).astype(np.float32)
+    x[:, 0], x[:, 1] = -1.0, 3.0  # the ends of the range: codes 0 and 2**bits - 1
+    inv16 = np.float32((2**bits - 1) * 65536.0 / 4.0)
+    a, b = both(x, bits, np.float32(-1.0), inv16, data_bytes(width, bits))
+    assert np.array_equal(a, b)
+    assert len(np.unique(a)) > 2 ** min(bits, 4)  # not a degenerate all-equal encoding
+
+
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("width", [16, 48, 20])
 def test_streaming_decode_matches(bits, width, monkeypatch):
     x = torch.randn(300, width) * torch.logspace(-3, 3, 300).unsqueeze(1)

@@ -36,8 +36,11 @@ The random bits come from lowbias32, the hash of :mod:`tessera.ops.dropout`, one
 values (16 bits each): value ``32c + i`` of a row (``i < 32``) takes half ``i // 16`` of the hash
 of pair ``16c + i % 16``, so 16 hashes in one vector serve 32 values without shuffles. Both
 passes are explicit 16-lane LLVM IR (numba would widen 32-bit hashes to 64-bit lanes and reduce
-each row's min/max horizontally). Throughput on 1 M x 256, 2 threads, against the STREAM triad of
-the same run: ``benchmarks/bench_quantize.py``, tables in ``benchmarks/RESULTS.md``.
+each row's min/max horizontally); on AVX-512BW hosts the pack pass takes 64 values at a time and
+packs their codes with byte packs and multiply-adds. The pack pass prefetches the input a few
+groups ahead, so DRAM keeps streaming while the core quantizes. Throughput on 1 M x 256, 2
+threads, against the STREAM triad of the same run: ``benchmarks/bench_quantize.py``, tables in
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -95,13 +99,18 @@ def _bits_f32(typingctx, v):
 _F32X16 = ir.VectorType(ir.FloatType(), 16)
 
 
+def _call(builder, name: str, ret: ir.Type, *args):
+    """A call of the LLVM intrinsic ``name`` on ``args``, declared on first use. The x86 ones are
+    only emitted where ``_AVX512BW`` holds."""
+    fn = builder.module.globals.get(name) or ir.Function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name
+    )
+    return builder.call(fn, list(args))
+
+
 def _reduce16(builder, op: str, v):
     """``llvm.vector.reduce.<op>`` of a 16 x float32 vector."""
-    name = f"llvm.vector.reduce.{op}.v16f32"
-    fn = builder.module.globals.get(name) or ir.Function(
-        builder.module, ir.FunctionType(ir.FloatType(), [_F32X16]), name
-    )
-    return builder.call(fn, [v])
+    return _call(builder, f"llvm.vector.reduce.{op}.v16f32", ir.FloatType(), v)
 
 
 _LANES = 4  # independent accumulators in _value_range: min, max and fma chains have latency
@@ -225,72 +234,175 @@ def _pack_tail(row, out, bits, zero, inv16, key, j0):
                 b = 0
 
 
+_I32X16 = ir.VectorType(_I32, 16)
+# Each vector kernel prefetches the input this many bytes past the values it quantizes, a few
+# lines per chunk. Hardware prefetchers stop at 4 KiB pages, and a group of 4 rows of width 256
+# is one page: without this, the min/max pass of every group waited for DRAM with the core idle
+# and the pack pass ran with the memory idle. 6 to 16 KiB measured the same, 4 KiB 9-25 % slower;
+# one burst of a whole group's lines before each group (session 5) was no faster than none.
+_PREFETCH_BYTES = 8192
+
+
+def _prefetch(builder, ptr, lines: int) -> None:
+    """Prefetch (read, into L1) the ``lines`` cache lines from ``_PREFETCH_BYTES`` past ``ptr``."""
+    base = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+    read, keep, data = ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)
+    for k in range(lines):
+        p = builder.gep(base, [ir.Constant(_I32, _PREFETCH_BYTES + 64 * k)])
+        _call(builder, "llvm.prefetch.p0", ir.VoidType(), p, read, keep, data)
+
+
+def _sums16(builder, src, k: int, h, half: int, zero, inv16):
+    """``round(t * 2**16) + r`` (see ``_q``; the unclamped code is its high 16 bits) for float32
+    vector ``k`` at ``src``, with ``r`` half ``half`` of the 16 pair hashes ``h``."""
+    v = builder.load(builder.gep(src, [ir.Constant(_I32, k)]), align=4)
+    w = builder.fmul(builder.fsub(v, zero), inv16, flags=["contract"])
+    t = builder.fptosi(builder.fadd(w, const(_F32X16, 0.5), flags=["contract"]), _I32X16)
+    r = builder.lshr(h, const(_I32X16, 16)) if half else builder.and_(h, const(_I32X16, 0xFFFF))
+    return builder.add(t, r)
+
+
+def _pair_hashes(builder, first, key):
+    """lowbias32 of the 16 pair indices ``first .. first + 15`` (an i32), keyed by ``key``."""
+    pair = builder.add(_splat(builder, first), ir.Constant(_I32X16, list(range(16))))
+    return lowbias32_ir(builder, builder.add(builder.mul(pair, const(_I32X16, _PAIR_MUL)), _splat(builder, key)))
+
+
+def _chunk_kernel(values: int, bits: int, body):
+    """Intrinsic ``(row, out, c, zero, inv16, key)`` that quantizes values ``c * values ..`` of
+    float32 ``row`` into their ``values * bits / 8`` bytes of ``out``: ``body(builder, src, c,
+    zero, inv16, key)`` returns the bytes, given ``src`` (the values as 16-float vectors), the
+    chunk index ``c``, ``zero`` and ``inv16`` in every lane and the scalar hash ``key``. The input
+    ``_PREFETCH_BYTES`` ahead is prefetched first."""
+    nbytes = values * bits // 8
+
+    @intrinsic
+    def kernel(typingctx, row, out, c, zero, inv16, key):
+        def codegen(context, builder, sig, args):
+            c = args[2]
+            first = builder.mul(c, ir.Constant(c.type, values))
+            src = _item_ptr(context, builder, sig.args[0], args[0], first)
+            src = builder.bitcast(src, _F32X16.as_pointer())
+            _prefetch(builder, src, values // 16)
+            b = body(builder, src, c, _splat(builder, args[3]), _splat(builder, args[4]), args[5])
+            dst = _item_ptr(context, builder, sig.args[1], args[1], builder.mul(c, ir.Constant(c.type, nbytes)))
+            builder.store(b, builder.bitcast(dst, b.type.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(row, out, types.intp, types.float32, types.float32, types.uint32), codegen
+
+    return kernel
+
+
 def _pack32(bits: int):
     """Intrinsic ``(row, out, c, zero, inv16, key)``: quantize values ``32c .. 32c + 31`` of
     float32 ``row`` into their ``32 * bits / 8`` bytes of ``out``, 16 lanes at a time, in 16.16
     fixed point (see ``_q``). Value ``32c + i`` rounds with half ``i // 16`` of the hash of pair
     ``16c + i % 16``, so one vector of 16 hashes serves both halves without shuffles; packing
     ``2**bits``-ary values into bytes is done with shifts within 64-bit lanes and truncation."""
-    f32 = ir.FloatType()
-    f32x16, i32x16, i64x8 = ir.VectorType(f32, 16), ir.VectorType(_I32, 16), ir.VectorType(ir.IntType(64), 8)
-    nbytes = 32 * bits // 8
+    i64x8 = ir.VectorType(ir.IntType(64), 8)
+    qmax = const(_I32X16, 2**bits - 1)
 
-    @intrinsic
-    def pack32(typingctx, row, out, c, zero, inv16, key):
-        def codegen(context, builder, sig, args):
-            c = args[2]
+    def body(builder, src, c, zero, inv16, key):
+        h = _pair_hashes(builder, builder.trunc(builder.mul(c, ir.Constant(c.type, 16)), _I32), key)
+        parts = []
+        for half in (0, 1):
+            v = builder.lshr(_sums16(builder, src, half, h, half, zero, inv16), const(_I32X16, 16))
+            v = builder.select(builder.icmp_unsigned(">", v, qmax), qmax, v)
+            if bits < 8:  # value pairs (lanes 2m, 2m + 1) meet in 64-bit lane m
+                v = builder.bitcast(v, i64x8)
+                v = builder.or_(v, builder.lshr(v, const(i64x8, 32 - bits)))
+            if bits == 2:  # then pairs of pairs, in the low 32 bits of each 64-bit lane
+                i64x4 = ir.VectorType(ir.IntType(64), 4)
+                v = builder.bitcast(builder.trunc(v, ir.VectorType(_I32, 8)), i64x4)
+                v = builder.or_(v, builder.lshr(v, const(i64x4, 28)))
+            parts.append(builder.trunc(v, ir.VectorType(ir.IntType(8), v.type.count)))
+        n = parts[0].type.count
+        return builder.shuffle_vector(parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n))))
 
-            src = builder.bitcast(
-                _item_ptr(context, builder, sig.args[0], args[0], builder.mul(c, ir.Constant(c.type, 32))),
-                f32x16.as_pointer(),
-            )
-            pair = builder.add(
-                _splat(builder, builder.trunc(builder.mul(c, ir.Constant(c.type, 16)), _I32)),
-                ir.Constant(i32x16, list(range(16))),
-            )
-            h = builder.add(builder.mul(pair, const(i32x16, _PAIR_MUL)), _splat(builder, args[5]))
-            h = lowbias32_ir(builder, h)
-            zero, inv16 = _splat(builder, args[3]), _splat(builder, args[4])
-            qs = []
-            for half in (0, 1):
-                v = builder.load(builder.gep(src, [ir.Constant(_I32, half)]), align=4)
-                w = builder.fmul(builder.fsub(v, zero), inv16, flags=["contract"])
-                t = builder.fptosi(builder.fadd(w, const(f32x16, 0.5), flags=["contract"]), i32x16)
-                r = builder.lshr(h, const(i32x16, 16)) if half else builder.and_(h, const(i32x16, 0xFFFF))
-                q = builder.lshr(builder.add(t, r), const(i32x16, 16))
-                qmax = const(i32x16, 2**bits - 1)
-                qs.append(builder.select(builder.icmp_unsigned(">", q, qmax), qmax, q))
-            parts = []
-            for v in qs:
-                if bits < 8:  # value pairs (lanes 2m, 2m + 1) meet in 64-bit lane m
-                    v = builder.bitcast(v, i64x8)
-                    v = builder.or_(v, builder.lshr(v, const(i64x8, 32 - bits)))
-                if bits == 2:  # then pairs of pairs, in the low 32 bits of each 64-bit lane
-                    i64x4 = ir.VectorType(ir.IntType(64), 4)
-                    v = builder.bitcast(builder.trunc(v, ir.VectorType(_I32, 8)), i64x4)
-                    v = builder.or_(v, builder.lshr(v, const(i64x4, 28)))
-                parts.append(builder.trunc(v, ir.VectorType(ir.IntType(8), v.type.count)))
-            n = parts[0].type.count
-            packed = builder.shuffle_vector(
-                parts[0], parts[1], ir.Constant(ir.VectorType(_I32, 2 * n), list(range(2 * n)))
-            )
-            dst = _item_ptr(context, builder, sig.args[1], args[1], builder.mul(c, ir.Constant(c.type, nbytes)))
-            builder.store(packed, builder.bitcast(dst, packed.type.as_pointer()), align=1)
-            return context.get_dummy_value()
-
-        return types.void(row, out, types.intp, types.float32, types.float32, types.uint32), codegen
-
-    return pack32
+    return _chunk_kernel(32, bits, body)
 
 
+def _pack64(bits: int):
+    """Intrinsic like ``_pack32`` for values ``64c .. 64c + 63``, with the same random bits (as
+    chunks ``2c`` and ``2c + 1``) and bytes, for AVX-512BW: the codes, the high halves of four
+    16-lane vectors of 16.16 sums, go into one 64-byte vector by two word shuffles, a saturating
+    byte pack (which clamps 8-bit codes at 255) and a qword permutation, then 4- and 2-bit codes
+    merge within words and dwords by multiply-adds. Against ``_pack32``'s shifts and truncations
+    this made 4- and 2-bit encoding as fast as 8-bit (``benchmarks/RESULTS.md``, quantized
+    exchange, session 6)."""
+    i16x32, i8x64 = ir.VectorType(ir.IntType(16), 32), ir.VectorType(ir.IntType(8), 64)
+    i64x8 = ir.VectorType(ir.IntType(64), 8)
+    high_words = ir.Constant(ir.VectorType(_I32, 32), list(range(1, 64, 2)))
+    # the byte pack leaves 128-bit lane l with values 8l .. 8l + 7, then 32 + 8l .. 32 + 8l + 7
+    order = ir.Constant(ir.VectorType(_I32, 8), [0, 2, 4, 6, 1, 3, 5, 7])
+
+    def body(builder, src, c, zero, inv16, key):
+        first = builder.trunc(builder.mul(c, ir.Constant(c.type, 32)), _I32)
+        words = []  # 32 codes in order: the high halves of two sum vectors, by one shuffle
+        for k in (0, 1):
+            h = _pair_hashes(builder, builder.add(first, ir.Constant(_I32, 16 * k)), key)
+            lo, hi = (builder.bitcast(_sums16(builder, src, 2 * k + i, h, i, zero, inv16), i16x32) for i in (0, 1))
+            words.append(builder.shuffle_vector(lo, hi, high_words))
+        b = _call(builder, "llvm.x86.avx512.packuswb.512", i8x64, words[0], words[1])  # saturates at 255
+        b = builder.bitcast(builder.shuffle_vector(*[builder.bitcast(b, i64x8)] * 2, order), i8x64)
+        if bits < 8:
+            qmax = const(i8x64, 2**bits - 1)
+            b = builder.select(builder.icmp_unsigned(">", b, qmax), qmax, b)
+            w = ir.Constant(i8x64, [1, 1 << bits] * 32)  # byte pairs -> one 2*bits-bit word
+            b = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", i16x32, b, w)
+            if bits == 2:  # word pairs -> one byte-valued dword
+                b = _call(builder, "llvm.x86.avx512.pmaddw.d.512", _I32X16, b, ir.Constant(i16x32, [1, 16] * 16))
+            b = builder.trunc(b, ir.VectorType(ir.IntType(8), 64 * bits // 8))
+        return b
+
+    return _chunk_kernel(64, bits, body)
+
+
+def _host_has_avx512bw() -> bool:
+    """Whether numba compiles for this host and it has AVX-512BW (``_pack64``'s instructions)."""
+    if numba.config.CPU_NAME not in (None, "host") or numba.config.CPU_FEATURES:
+        return False  # a portable target (e.g. NUMBA_CPU_NAME=generic): keep to generic IR
+    try:
+        return bool(llvm_binding.get_host_cpu_features().get("avx512bw"))
+    except RuntimeError:
+        return False
+
+
+_AVX512BW = _host_has_avx512bw()
 _pack32_8, _pack32_4, _pack32_2 = _pack32(8), _pack32(4), _pack32(2)
+_pack64_8, _pack64_4, _pack64_2 = _pack64(8), _pack64(4), _pack64(2)
+
+
+if _AVX512BW:
+
+    @numba.njit(inline="always")
+    def _pack_wide(row, out, bits, zero, inv16, key):
+        # The 64-value chunks of the row through _pack64; returns how many.
+        wide = row.shape[0] // 64
+        for c in range(wide):
+            if bits == 8:
+                _pack64_8(row, out, c, zero, inv16, key)
+            elif bits == 4:
+                _pack64_4(row, out, c, zero, inv16, key)
+            else:
+                _pack64_2(row, out, c, zero, inv16, key)
+        return wide
+
+else:  # no x86 intrinsics are compiled at all
+
+    @numba.njit(inline="always")
+    def _pack_wide(row, out, bits, zero, inv16, key):
+        return 0
 
 
 @numba.njit(inline="always")
 def _pack(row, out, bits, zero, inv16, key):
-    # float32 zero and inv16: whole 32-value chunks in vectors, then the rest one at a time.
+    # float32 zero and inv16: whole 64-value chunks (AVX-512BW) and 32-value chunks in vectors,
+    # then the rest one at a time.
+    wide = _pack_wide(row, out, bits, zero, inv16, key)
     chunks = row.shape[0] // 32
-    for c in range(chunks):
+    for c in range(2 * wide, chunks):
         if bits == 8:
             _pack32_8(row, out, c, zero, inv16, key)
         elif bits == 4:
