@@ -7,8 +7,10 @@ GB/s is (bytes read + bytes written) / time in 10^9 B/s, from the median of ``--
 after a warm-up, counted the STREAM way (no write-allocate traffic). "reused out" writes into a
 preallocated tensor, as the halo exchange does with its persistent per-(layer, direction)
 buffers; "new out" lets encode/decode allocate, so it also pays the page faults of fresh memory.
-STREAM triad (float32 arrays of 200 MB, best of 5) is measured right before each operation, so a
-machine shared with other jobs compares like with like; "best" is the fastest single run.
+STREAM triad and read (float32 arrays of 200 MB, best of 5) are measured right before each
+operation, so a machine shared with other jobs compares like with like; "read" is a sum over one
+array, the bound for encode, which reads four bytes for each one at most that it writes. "best"
+is the fastest single run.
 
     python benchmarks/bench_quantize.py --threads 2
 """
@@ -58,12 +60,13 @@ def measure(x: torch.Tensor, bits: int, threads: int, repeats: int, group: int, 
     }
     results = []
     for op, (reused, fresh) in runs.items():
-        triad = measure_bandwidth(threads, repeats=5, dtype="float32")["triad"]
+        bw = measure_bandwidth(threads, repeats=5, dtype="float32")
         t_reused, t_fresh = times_s(reused, repeats), times_s(fresh, repeats)
         gb = (x.numel() * 4 + buf.numel()) / 1e9
         median, best, fresh = statistics.median(t_reused), min(t_reused), statistics.median(t_fresh)
         results.append(
-            {"bits": bits, "op": op, "gb": gb, "triad": triad, "median": median, "best": best, "fresh": fresh}
+            {"bits": bits, "op": op, "gb": gb, "triad": bw["triad"], "read": bw["read"]}
+            | {"median": median, "best": best, "fresh": fresh}
         )
     return results
 
@@ -101,13 +104,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"{quiet}1-min load average {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     print()
-    print("| bits | op | GB moved | triad GB/s | reused out ms | GB/s | % triad | best ms | new out ms | GB/s |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| bits | op | GB moved | triad GB/s | read GB/s | reused out ms | GB/s | % triad | % read | best ms "
+        "| new out ms | GB/s |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         gbs = r["gb"] / r["median"]
         print(
-            f"| {r['bits']} | {r['op']} | {r['gb']:.3f} | {r['triad']:.1f} | {1e3 * r['median']:.1f} | {gbs:.1f} "
-            f"| {100 * gbs / r['triad']:.0f}% | {1e3 * r['best']:.1f} | {1e3 * r['fresh']:.1f} | {r['gb'] / r['fresh']:.1f} |"
+            f"| {r['bits']} | {r['op']} | {r['gb']:.3f} | {r['triad']:.1f} | {r['read']:.1f} | {1e3 * r['median']:.1f} "
+            f"| {gbs:.1f} | {100 * gbs / r['triad']:.0f}% | {100 * gbs / r['read']:.0f}% | {1e3 * r['best']:.1f} "
+            f"| {1e3 * r['fresh']:.1f} | {r['gb'] / r['fresh']:.1f} |"
         )
 
 

@@ -238,9 +238,10 @@ _I32X16 = ir.VectorType(_I32, 16)
 # Each vector kernel prefetches the input this many bytes past the values it quantizes, a few
 # lines per chunk. Hardware prefetchers stop at 4 KiB pages, and a group of 4 rows of width 256
 # is one page: without this, the min/max pass of every group waited for DRAM with the core idle
-# and the pack pass ran with the memory idle. 6 to 16 KiB measured the same, 4 KiB 9-25 % slower;
-# one burst of a whole group's lines before each group (session 5) was no faster than none.
-_PREFETCH_BYTES = 8192
+# and the pack pass ran with the memory idle. Measured from 4 to 16 KiB: 9 and 10 KiB best, 8
+# and 12 KiB 3-6 % slower, 4 KiB 9-25 % slower; into L2 instead of L1, 4-13 % slower. One burst
+# of a whole group's lines before each group (session 5) was no faster than none.
+_PREFETCH_BYTES = 10240
 
 
 def _prefetch(builder, ptr, lines: int) -> None:
