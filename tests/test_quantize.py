@@ -4,6 +4,10 @@ rows), error bounds, unbiasedness, determinism."""
 from __future__ import annotations
 
 import math
+import os
+import platform
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -375,6 +379,28 @@ def test_vector_kernels_match_the_scalar_definition(bits, width):
     a, b = both(x, bits, np.float32(-1.0), inv16, data_bytes(width, bits))
     assert np.array_equal(a, b)
     assert len(np.unique(a)) > 2 ** min(bits, 4)  # not a degenerate all-equal encoding
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 target features")
+def test_generic_target_writes_the_same_bytes():
+    # numba's generic x86-64 target has no AVX-512BW, so encode there runs the 32-value kernels
+    # only; it must write the bytes this process writes (with the 64-value kernel where the host
+    # has it). FMA stays on: without it (x - Z) * inv + 0.5 rounds twice, and an occasional code
+    # (1 of these 38400) lands on the other side of a rounding boundary.
+    code = (
+        "import sys, torch\n"
+        "from tessera.dist import quantize\n"
+        "assert not quantize._AVX512BW\n"
+        "x = torch.randn(64, 200, generator=torch.Generator().manual_seed(5)) * 3\n"
+        "bufs = [quantize.encode(x, b, 9, splits=[20, 44]) for b in (8, 4, 2)]\n"
+        "sys.stdout.buffer.write(b''.join(t.numpy().tobytes() for t in bufs))\n"
+    )
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CPU_FEATURES="+sse4.2,+avx,+avx2,+fma")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=600)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    x = torch.randn(64, 200, generator=torch.Generator().manual_seed(5)) * 3
+    here = b"".join(encode(x, b, 9, splits=[20, 44]).numpy().tobytes() for b in (8, 4, 2))
+    assert run.stdout == here
 
 
 @pytest.mark.parametrize("bits", BITS)
