@@ -371,45 +371,40 @@ def _host_has_avx512bw() -> bool:
 
 
 _AVX512BW = _host_has_avx512bw()
-_pack32_8, _pack32_4, _pack32_2 = _pack32(8), _pack32(4), _pack32(2)
-_pack64_8, _pack64_4, _pack64_2 = _pack64(8), _pack64(4), _pack64(2)
 
 
-if _AVX512BW:
+def _chunks_by_bits(kernels):
+    """An inlined ``(row, out, bits, zero, inv16, key, c0, c1)`` that runs chunks ``c0 .. c1 - 1``
+    through the one of ``kernels`` (for 8, 4 and 2 bits) that ``bits`` names."""
+    k8, k4, k2 = kernels
 
     @numba.njit(inline="always")
-    def _pack_wide(row, out, bits, zero, inv16, key):
-        # The 64-value chunks of the row through _pack64; returns how many.
-        wide = row.shape[0] // 64
-        for c in range(wide):
+    def run(row, out, bits, zero, inv16, key, c0, c1):
+        for c in range(c0, c1):
             if bits == 8:
-                _pack64_8(row, out, c, zero, inv16, key)
+                k8(row, out, c, zero, inv16, key)
             elif bits == 4:
-                _pack64_4(row, out, c, zero, inv16, key)
+                k4(row, out, c, zero, inv16, key)
             else:
-                _pack64_2(row, out, c, zero, inv16, key)
-        return wide
+                k2(row, out, c, zero, inv16, key)
 
-else:  # no x86 intrinsics are compiled at all
+    return run
 
-    @numba.njit(inline="always")
-    def _pack_wide(row, out, bits, zero, inv16, key):
-        return 0
+
+_pack32_chunks = _chunks_by_bits([_pack32(b) for b in (8, 4, 2)])
+# Only hosts with AVX-512BW compile the 64-value kernels: elsewhere no x86 intrinsic is emitted.
+_pack64_chunks = _chunks_by_bits([_pack64(b) for b in (8, 4, 2)]) if _AVX512BW else None
 
 
 @numba.njit(inline="always")
 def _pack(row, out, bits, zero, inv16, key):
     # float32 zero and inv16: whole 64-value chunks (AVX-512BW) and 32-value chunks in vectors,
     # then the rest one at a time.
-    wide = _pack_wide(row, out, bits, zero, inv16, key)
+    wide = row.shape[0] // 64 if _AVX512BW else 0
+    if _AVX512BW:
+        _pack64_chunks(row, out, bits, zero, inv16, key, 0, wide)
     chunks = row.shape[0] // 32
-    for c in range(2 * wide, chunks):
-        if bits == 8:
-            _pack32_8(row, out, c, zero, inv16, key)
-        elif bits == 4:
-            _pack32_4(row, out, c, zero, inv16, key)
-        else:
-            _pack32_2(row, out, c, zero, inv16, key)
+    _pack32_chunks(row, out, bits, zero, inv16, key, 2 * wide, chunks)
     _pack_tail(row, out, bits, zero, inv16, key, chunks * 32)
 
 
