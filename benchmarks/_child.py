@@ -84,9 +84,9 @@ def _set_threads(framework: str, threads: int) -> None:
 
     torch.set_num_threads(threads)
     if framework == "tessera":
-        from tessera import ops
+        from tessera.threads import set_num_threads
 
-        ops.set_num_threads(threads)
+        set_num_threads(threads)
     elif framework == "dgl":
         try:
             from dgl.utils.internal import set_num_threads

@@ -78,10 +78,10 @@ def _mlp(a: int, b: int, hidden: int) -> nn.Module:
 # ---------------------------------------------------------------------------------- tessera
 def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], cfg: dict[str, Any]) -> Built:
     """tessera's own model on a ``tessera.Graph`` built from the CSR arrays."""
-    from tessera import ops
-    from tessera.allocator import retain_freed_memory
+    from tessera.backends import available_backends
     from tessera.graph import Graph
     from tessera.nn import build_model
+    from tessera.train.allocator import retain_freed_memory
 
     retain_freed_memory()  # as tessera's Trainer does (acts only with TESSERA_MALLOC=retain)
     g = Graph.from_csr(
@@ -103,7 +103,7 @@ def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any
     )
     info = {
         "backend_requested": cfg["backend"],
-        "backends_available": ops.available_backends(),
+        "backends_available": available_backends(),
         "index_dtype": str(g.indices.dtype),
     }
     return m, lambda mod, x: mod(x, g), info

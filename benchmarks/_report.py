@@ -22,6 +22,13 @@ LABELS = {
 QUIET_LOAD = 0.2  # same threshold as _child.QUIET_LOAD
 MIN_QUIET = 3
 SHORT = {"tessera": "tessera", "pyg-edge_index": "PyG-ei", "pyg-csr": "PyG-CSR", "dgl": "DGL"}
+# framework name of another tessera source tree (``bench_train.py --tessera-tree LABEL=PATH``)
+TREE_PREFIX = "tessera@"
+
+
+def label(framework: str) -> str:
+    """Table label of a framework (``tessera@LABEL`` columns keep their name)."""
+    return LABELS.get(framework, framework)
 
 
 # ---------------------------------------------------------------------------------- facts
@@ -63,8 +70,9 @@ for m in ("torch", "torch_geometric", "torch_sparse", "pyg_lib", "torch_scatter"
     except Exception as e:
         out[m] = None
 try:
-    from tessera import ops
-    out["tessera_backends"] = ops.available_backends()
+    from tessera.backends import available_backends
+
+    out["tessera_backends"] = available_backends()
 except Exception:
     pass
 print(json.dumps(out))
@@ -200,7 +208,7 @@ def graph_table(
 ) -> list[str]:
     """The main markdown table for one graph."""
     alloc_hint = " / ".join(allocators)
-    head = ["model"] + [f"{LABELS[f]} ms" for f in frameworks]
+    head = ["model"] + [f"{label(f)} ms" for f in frameworks]
     peers_pyg = [f for f in frameworks if f.startswith("pyg")]
     show_pyg = "tessera" in frameworks and peers_pyg
     show_dgl = "tessera" in frameworks and "dgl" in frameworks
@@ -208,11 +216,20 @@ def graph_table(
         head.append("tessera/PyG-best")
     if show_dgl:
         head.append("tessera/DGL")
-    head.append("peak RSS MiB (" + " / ".join(SHORT[f] for f in frameworks) + ")")
+    trees = [f for f in frameworks if f.startswith(TREE_PREFIX)] if "tessera" in frameworks else []
+    head += [f"tessera/{f}" for f in trees]
+    head.append("peak RSS MiB (" + " / ".join(SHORT.get(f, f) for f in frameworks) + ")")
+    tree_hint = (
+        " tessera/tessera@LABEL: this tree's best time ÷ that tree's best time (< 1: this tree faster)"
+        + (f"; per allocator ({alloc_hint}) in parentheses." if len(allocators) > 1 else ".")
+        if trees
+        else ""
+    )
     lines = [
         f"Median training-step ms: **best allocator** ({alloc_hint}). Ratios are tessera's best time ÷ the "
         "peer's best time (< 1: tessera faster). Peak RSS is that of each framework's best-allocator run. "
-        "⚠: fewer than 3 quiet epochs even after retries, so the median over all (disturbed) epochs is shown.",
+        "⚠: fewer than 3 quiet epochs even after retries, so the median over all (disturbed) epochs is shown."
+        + tree_hint,
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",
@@ -236,6 +253,15 @@ def graph_table(
             row.append(ratio(bests.get("tessera"), pyg_best))
         if show_dgl:
             row.append(ratio(bests.get("tessera"), bests.get("dgl")))
+        for f in trees:
+            text = ratio(bests.get("tessera"), bests.get(f))
+            if len(allocators) > 1:
+                per = [
+                    ratio(_ok(grouped.get((graph_key, m, "tessera", a))), _ok(grouped.get((graph_key, m, f, a))))
+                    for a in allocators
+                ]
+                text += f" ({' / '.join(per)})"
+            row.append(text)
         row.append(" / ".join(f"{bests[f]['peak_rss_mib']:.0f}" if bests.get(f) else "—" for f in frameworks))
         lines.append("| " + " | ".join(row) + " |")
     return lines
@@ -253,7 +279,7 @@ def detail_table(
     for (gk, m, f, a), r in runs_grouped.items():
         if r.get("status") == "ok":
             lines.append(
-                f"| {gk} | {m} | {LABELS[f]} | {a} ({r.get('allocator_in_use', '?')}) | ok "
+                f"| {gk} | {m} | {label(f)} | {a} ({r.get('allocator_in_use', '?')}) | ok "
                 f"| {fmt_ms(r['quiet_median_ms']) if r['quiet_median_ms'] else '—'} ({r['quiet_epochs']}) "
                 f"| {fmt_ms(r['median_ms'])} "
                 f"| {fmt_ms(r['min_ms'])}–{fmt_ms(r['max_ms'])} | {r['peak_rss_mib']:.0f} "
@@ -265,7 +291,7 @@ def detail_table(
             why = status_text(r, cap_gib, timeout_s)
             err = str(r.get("error", "")).replace("|", "\\|")[:160]
             lines.append(
-                f"| {gk} | {m} | {LABELS[f]} | {a} | {why} | — | — | — "
+                f"| {gk} | {m} | {label(f)} | {a} | {why} | — | — | — "
                 f"| {r.get('poll_peak_rss_mib', 0):.0f} (polled) | — | {r.get('wall_s', 0):.0f} | — | — | {err} |"
             )
     return lines
@@ -279,3 +305,81 @@ def _attempts(r: dict[str, Any]) -> str:
     return ", ".join(
         f"{fmt_ms(x['median_ms'])} ({x['quiet_epochs']}q)" if x.get("median_ms") else str(x.get("status")) for x in att
     )
+
+
+def _ok(r: dict[str, Any] | None) -> dict[str, Any] | None:
+    return r if r is not None and r.get("status") == "ok" else None
+
+
+def tree_table(
+    graphs: list[str],
+    models: list[str],
+    frameworks: list[str],
+    allocators: list[str],
+    runs: list[dict[str, Any]],
+    facts: dict[str, Any],
+) -> list[str]:
+    """tessera (this tree) against each ``tessera@LABEL`` tree, per graph, model and allocator:
+    every repeat's all-epoch median (repeats ran interleaved, so repeat i of both ran back to
+    back), the per-repeat ratios, the pooled table times and their ratio, and which tessera sources
+    the children ran (``versions.tessera_src_sha1``, checked against each tree's own digest)."""
+    lines = [
+        "Each child's all-epoch median ms, in repeat order (ran interleaved); ratio = tessera ÷ the tree, "
+        "per repeat, then for the pooled table times (quiet-epoch medians over all repeats). sources: the "
+        "tessera source digest the children reported (✓ = the tree's own digest).",
+        "",
+        "| graph | model | allocator | tree | tessera ms per repeat | tree ms per repeat | ratio per repeat "
+        "| table ms tessera / tree | ratio | sources tessera / tree |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for f in [f for f in frameworks if f.startswith(TREE_PREFIX)]:
+        want = facts.get("tessera_trees", {}).get(f, {}).get("src_sha1")
+        for g in graphs:
+            for m in models:
+                for a in allocators:
+                    cur, old = _repeats(runs, (g, m, "tessera", a)), _repeats(runs, (g, m, f, a))
+                    if all(r.get("status") == "na" for r in [*cur.values(), *old.values()]):
+                        continue  # not run (e.g. jemalloc not installed), or not at all
+                    keys = sorted(set(cur) | set(old))
+                    per = ", ".join(
+                        f"{cur[k]['median_ms'] / old[k]['median_ms']:.3f}"
+                        for k in keys
+                        if _ok(cur.get(k)) and _ok(old.get(k))
+                    )
+                    pc = _ok(combine(list(cur.values()))) if cur else None
+                    po = _ok(combine(list(old.values()))) if old else None
+                    table = " / ".join(fmt_ms(r["time_ms"]) if r else "—" for r in (pc, po))
+                    pooled = f"{pc['time_ms'] / po['time_ms']:.3f}" if pc and po else "—"
+                    lines.append(
+                        f"| {g} | {m} | {a} | {f} | {_per_repeat(cur, keys)} | {_per_repeat(old, keys)} "
+                        f"| {per or '—'} | {table} | {pooled} "
+                        f"| {_sources(cur.values(), None)} / {_sources(old.values(), want)} |"
+                    )
+    return lines
+
+
+def _repeats(runs: list[dict[str, Any]], key: tuple[str, str, str, str]) -> dict[int, dict[str, Any]]:
+    """``repeat -> record`` of one (graph, model, framework, allocator)."""
+    return {
+        r.get("repeat", i): r
+        for i, r in enumerate(runs)
+        if (r["graph_key"], r["model"], r["framework"], r["allocator"]) == key
+    }
+
+
+def _per_repeat(records: dict[int, dict[str, Any]], keys: list[int]) -> str:
+    """Each repeat's all-epoch median ms (its status when it has no time)."""
+    return ", ".join(
+        fmt_ms(records[k]["median_ms"]) if _ok(records.get(k)) else str((records.get(k) or {}).get("status", "—"))
+        for k in keys
+    )
+
+
+def _sources(records: Iterable[dict[str, Any]], want: str | None) -> str:
+    """The distinct ``tessera_src_sha1`` of ok children; ``✓`` when it is exactly ``want``."""
+    got = sorted({r.get("versions", {}).get("tessera_src_sha1") or "?" for r in records if _ok(r)})
+    if not got:
+        return "—"
+    if want is not None and got == [want]:
+        return f"{want} ✓"
+    return ", ".join(got) + (f" (expected {want})" if want is not None else "")

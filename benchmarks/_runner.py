@@ -13,6 +13,7 @@ The RSS poll runs in both cases and its maximum is reported next to the child's 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -53,6 +54,60 @@ def allocator_env(allocator: str, jemalloc: str | None) -> dict[str, str] | None
     if allocator == "jemalloc":
         return None if jemalloc is None else {"LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF}
     raise ValueError(f"unknown allocator {allocator!r}")
+
+
+# ---------------------------------------------------------------------------------- tessera trees
+def tessera_src_sha1(pkg: Path) -> str:
+    """SHA-1 (12 hex digits) over a ``tessera`` package's ``.py`` files; the same digest as
+    ``_peers._source_hash``, which every tessera child reports as ``versions.tessera_src_sha1``."""
+    h = hashlib.sha1()
+    for f in sorted(Path(pkg).rglob("*.py")):
+        h.update(str(f.relative_to(pkg)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def tree_pythonpath(tree: Path) -> str:
+    """``PYTHONPATH`` for a child of another tessera tree: that tree first. ``sys.path`` entries
+    from ``PYTHONPATH`` precede site-packages, and setuptools' editable finder for this checkout
+    is appended to ``sys.meta_path`` after the path finder, so ``import tessera`` finds the tree's."""
+    return os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")]))
+
+
+_WHICH_TESSERA = "import json, tessera; print(json.dumps({'file': tessera.__file__}))"
+
+
+def probe_tessera_tree(python: str, tree: Path, timeout: float = 120.0) -> dict[str, Any]:
+    """Which ``tessera`` interpreter ``python`` imports with the tree's ``PYTHONPATH`` (run in the
+    tree's ``benchmarks/``, the first ``sys.path`` entry of its ``_child.py``), the tree's source
+    digest and git commit; ``error`` when the import fails."""
+    env = {**os.environ, "PYTHONPATH": tree_pythonpath(tree)}
+    out: dict[str, Any] = {"path": str(tree), "src_sha1": tessera_src_sha1(tree / "tessera")}
+    try:
+        r = subprocess.run(
+            [python, "-c", _WHICH_TESSERA],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tree / "benchmarks",
+            env=env,
+        )
+        if r.returncode != 0:
+            out["error"] = (r.stderr.strip().splitlines() or ["?"])[-1]
+        else:
+            out["tessera_file"] = json.loads(r.stdout.strip().splitlines()[-1])["file"]
+    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
+        out["error"] = str(e)
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=tree, timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    out["commit"] = git("rev-parse", "--short", "HEAD") or None
+    out["tessera_dirty"] = bool(git("status", "--porcelain", "tessera"))
+    return out
 
 
 # ---------------------------------------------------------------------------------- cgroups
@@ -234,6 +289,9 @@ class Launch:
     log_dir: Path
     timeout_s: float
     mem_cap_gib: float
+    # another tessera tree's benchmarks/_child.py (and working directory); default: this tree's
+    script: Path | None = None
+    cwd: Path | None = None
 
 
 # The shell writes its own pid into each cgroup named before "--", then becomes the child.
@@ -244,7 +302,7 @@ def run_child(launch: Launch, cgroup: CgroupCap | None, cpu: CpuWeight | None = 
     """Run one child to completion (or cap / timeout) and return its result record, annotated
     with ``status`` (ok / oom / timeout / error), ``wall_s`` and the parent's view of its memory."""
     cap_bytes = int(launch.mem_cap_gib * 2**30)
-    cmd = [launch.python, str(HERE / "_child.py"), json.dumps(launch.spec)]
+    cmd = [launch.python, str(launch.script or HERE / "_child.py"), json.dumps(launch.spec)]
     cg = cgroup.create(launch.tag, cap_bytes) if cgroup else None
     cpu_cg = cpu.create(launch.tag) if cpu else None
     # cgroup v2 has one directory for both controllers
@@ -261,7 +319,7 @@ def run_child(launch: Launch, cgroup: CgroupCap | None, cpu: CpuWeight | None = 
     poll_peak, killed_for_mem, timed_out = 0.0, False, False
     busy0, child_cpu = _busy_s(), 0.0
     with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=launch.cwd or ROOT, start_new_session=True)
         try:
             while proc.poll() is None:
                 child_cpu = _proc_cpu_s(proc.pid) or child_cpu

@@ -1,4 +1,4 @@
-"""Dense products of a full-graph epoch: torch's ``mm`` (MKL) vs ``tessera.ops.linear`` (oneDNN).
+"""Dense products of a full-graph epoch: torch's ``mm`` (MKL) vs ``tessera.sparse.linear`` (oneDNN).
 
 Times, on ``--threads`` threads, the five GEMM shapes of a 2-layer GCN epoch on an arxiv-sized
 graph (N x F_in times F_in x F_out forward, the input gradient, the weight gradient), median of
@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from tessera import ops
-from tessera.ops.dense import _usable
+from tessera import sparse
+from tessera.sparse.linear import _usable
+from tessera.threads import set_num_threads
 
 
 def median_s(fn, repeats: int) -> float:
@@ -37,8 +38,8 @@ def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
     wt = w.t().contiguous()
     flops = 2.0 * rows * fi * fo
     cases = {
-        f"forward x W^T, {rows}x{fi} . {fi}x{fo}": (lambda: x.mm(w.t()), lambda: ops.linear(x, w)),
-        f"input grad g W, {rows}x{fo} . {fo}x{fi}": (lambda: g.mm(w), lambda: ops.linear(g, wt)),
+        f"forward x W^T, {rows}x{fi} . {fi}x{fo}": (lambda: x.mm(w.t()), lambda: sparse.linear(x, w)),
+        f"input grad g W, {rows}x{fo} . {fo}x{fi}": (lambda: g.mm(w), lambda: sparse.linear(g, wt)),
     }
     for name, (ref, ours) in cases.items():
         t_ref, t_ours = median_s(ref, repeats), median_s(ours, repeats)
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=9)
     a = p.parse_args(argv)
     torch.manual_seed(0)
-    ops.set_num_threads(a.threads)
+    set_num_threads(a.threads)
     print(
         f"{a.rows:,} rows, widths {a.dims}, {a.threads} threads, median of {a.repeats}; oneDNN path: {_usable(torch.ones(1, 1))}"
     )

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from tessera import ops
+from tessera.backends.base import get_backend
+from tessera.backends.cpu_dense_block import DenseBlockBackend
 from tessera.graph import chunking
 from tessera.graph.synthetic import generate
-from tessera.ops.backends.dense_block import DenseBlockBackend
-from tessera.ops.registry import get_backend
+from tessera.threads import set_num_threads
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,7 +55,7 @@ def bench_graph(name: str, widths: list[int], reps: int, warmup: int, weighted: 
     w = g.edge_weight if weighted else None
     _, t_s, _ = _timed(g.transpose)
     rows = chunking.chunk_rows_for_cache()
-    _, chunk_s, chunk_cpu = _timed(lambda: chunking.graph_chunking(g, rows))
+    _, chunk_s, chunk_cpu = _timed(lambda: chunking.locality_chunking(g, rows))
     db = get_backend("dense_block")
     piped = DenseBlockBackend(db.config.__class__(**{**db.config.__dict__, "pipeline": True}))
     _, plan_s, _ = _timed(lambda: (db.plan(g, False), db.plan(g, True)))
@@ -73,7 +73,7 @@ def bench_graph(name: str, widths: list[int], reps: int, warmup: int, weighted: 
         "chunking_cpu_s": chunk_cpu,
         "compress_s": plan_s,
         "symmetric": db.plan(g, True) is plan,
-        "chunks": chunking.graph_chunking(g, rows).num_chunks,
+        "chunks": chunking.locality_chunking(g, rows).num_chunks,
         "dense_blocks": plan.num_blocks,
         "dense_edge_share": nd / max(1, g.num_edges),
         "block_density": nd / max(1, plan.blocks.block_values),
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.reps < 1 or a.warmup < 1:
         raise SystemExit("--reps and --warmup must be at least 1")
-    ops.set_num_threads(a.threads)
+    set_num_threads(a.threads)
     load0 = os.getloadavg()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {a.threads}", flush=True)
     results = []

@@ -16,17 +16,17 @@ and just after the kernels (McCalpin's convention; the better of the two is "bes
 every repeat, interleaved with the kernels, so that a shared machine's load hits it alike ("med",
 the median). "% triad" is effective GB/s over the interleaved median, "% best" over the best.
 ``csr+out`` is the csr backend writing into a reused output buffer (no page faults for fresh
-memory); ``masked`` the csr S-SpMM (``tessera.ops.masked``; backward row: ``masked_spmm_t``, the
+memory); ``masked`` the csr S-SpMM (``tessera.sparse.masked``; backward row: ``masked_spmm_t``, the
 ReLU-mask case) with an element-wise keep-half mask, ``spmm*mask`` the unfused product and
 masking multiply it replaces, ``masked-rows`` S-SpMM with half the rows dropped whole (its GB/s
 still counts every row, so it reads as the speed-up from skipping); ``drop-agg`` is
-``tessera.ops.masked.dropout_aggregate`` (p = 0.5), the fused form of ``drop(spmm)``, tessera's
+``tessera.sparse.masked.dropout_aggregate`` (p = 0.5), the fused form of ``drop(spmm)``, tessera's
 dropout after the csr product (bitwise the same result). S-SpMM rows count the same bytes as a
 full product.
 
     python benchmarks/bench_kernels.py --threads 2
     python benchmarks/bench_kernels.py --graphs arxiv products --widths 128 256 --weighted both
-    python benchmarks/bench_kernels.py --order metis        # renumber vertices first (tessera.graph.reorder)
+    python benchmarks/bench_kernels.py --order metis        # renumber vertices first (tessera.graph.order)
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import numpy as np
 import torch
 from stream import _init, _triad, measure_bandwidth
 
-from tessera import ops
+from tessera.backends import get_backend
 from tessera.graph.synthetic import generate
+from tessera.threads import set_num_threads
 
 
 def _bytes(nnz: int, rows: int, cols: int, width: int, weighted: bool) -> tuple[float, float]:
@@ -54,7 +55,7 @@ def _bytes(nnz: int, rows: int, cols: int, width: int, weighted: bool) -> tuple[
 
 def _best_triad(threads: int) -> float:
     bw = measure_bandwidth(threads, 2e8, 5, "float32")["triad"]
-    ops.set_num_threads(threads)
+    set_num_threads(threads)
     return bw
 
 
@@ -79,11 +80,11 @@ def _load_graph(name: str, order: str, width: int, widths: list[int]):
     the order used."""
     g = generate(name, seed=0)
     if order == "auto":
-        from tessera.graph.reorder import choose_order
+        from tessera.backends.ordering import choose_order
 
         order, width = choose_order(g, widths), max(widths)
     if order != "none":
-        from tessera.graph.reorder import permute_graph, vertex_order
+        from tessera.graph.order import permute_graph, vertex_order
 
         g = permute_graph(g, vertex_order(g, order, width=width), features=False)
     return g, order
@@ -93,7 +94,7 @@ def _candidates(g, x, gy, w, backends: list[str], masked: bool) -> dict[str, tup
     """name -> (forward, backward) callables."""
     c: dict[str, tuple[Callable, Callable | None]] = {}
     for b in backends:
-        be = ops.get_backend(b)
+        be = get_backend(b)
         c[b] = (lambda be=be: be.spmm(g, x, w), lambda be=be: be.spmm_t(g, gy, w))
         if b == "csr":
             of, ob = torch.empty_like(x), torch.empty_like(gy)
@@ -102,17 +103,17 @@ def _candidates(g, x, gy, w, backends: list[str], masked: bool) -> dict[str, tup
                 lambda be=be, ob=ob: be.spmm_t(g, gy, w, out=ob),
             )
     if masked and "csr" in backends:
-        from tessera.ops.masked import masked_aggregate, masked_spmm_t
+        from tessera.sparse.masked import masked_aggregate, masked_spmm_t
 
         gen = torch.Generator().manual_seed(1)
         keep = torch.rand(x.shape, generator=gen) < 0.5
         rows = (torch.rand(x.shape[0], 1, generator=gen) < 0.5).expand(x.shape).contiguous()
-        be = ops.get_backend("csr")
+        be = get_backend("csr")
         c["masked"] = (lambda: masked_aggregate(g, x, keep, "sum", w), lambda: masked_spmm_t(g, gy, keep, w))
         c["spmm*mask"] = (lambda: be.spmm(g, x, w) * keep, lambda: be.spmm_t(g, gy, w) * keep)
         c["masked-rows"] = (lambda: masked_aggregate(g, x, rows, "sum", w), lambda: masked_spmm_t(g, gy, rows, w))
-        from tessera.ops.dropout import dropout
-        from tessera.ops.masked import dropout_aggregate
+        from tessera.sparse.dropout import dropout
+        from tessera.sparse.masked import dropout_aggregate
 
         c["drop(spmm)"] = (lambda: dropout(be.spmm(g, x, w), 0.5), None)
         c["drop-agg"] = (lambda: dropout_aggregate(g, x, 0.5, "sum", w), None)
@@ -120,7 +121,7 @@ def _candidates(g, x, gy, w, backends: list[str], masked: bool) -> dict[str, tup
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    ops.set_num_threads(args.threads)
+    set_num_threads(args.threads)
     triad_pass = Triad()
     rows = []
     for gname in args.graphs:
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--order",
         default="none",
-        help="vertex order from tessera.graph.reorder (none, rcm, metis, degree, or auto: choose_order over --widths)",
+        help="vertex order from tessera.graph.order (none, rcm, metis, degree, or auto: choose_order over --widths)",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)

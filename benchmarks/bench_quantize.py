@@ -1,8 +1,8 @@
-"""Throughput of tessera.dist.quantize next to STREAM bandwidth measured in the same run.
+"""Throughput of tessera.comm.quantize next to STREAM bandwidth measured in the same run.
 
 Encodes and decodes a ``--rows`` x ``--width`` float32 block at 8, 4 and 2 bits on ``--threads``
 threads, in the wire format the halo exchange sends (one scale and zero point per ``--group`` rows,
-default ``tessera.dist.wire.GROUP_ROWS``; the rows split into ``--blocks`` equal per-peer blocks).
+default ``tessera.comm.wire.GROUP_ROWS``; the rows split into ``--blocks`` equal per-peer blocks).
 GB/s is (bytes read + bytes written) / time in 10^9 B/s, from the median of ``--repeats`` runs
 after a warm-up, counted the STREAM way (no write-allocate traffic). "reused out" writes into a
 preallocated tensor, as the halo exchange does with its persistent per-(layer, direction)
@@ -26,9 +26,9 @@ from collections.abc import Callable
 import torch
 from stream import measure_bandwidth
 
-from tessera import ops
-from tessera.dist.quantize import decode, encode
-from tessera.dist.wire import group_rows, wire_bytes
+from tessera.comm.quantize import decode, encode
+from tessera.comm.wire import group_rows, wire_bytes
+from tessera.threads import set_num_threads
 
 
 def times_s(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         waited, load = wait_for_quiet(a.wait_quiet)
         quiet = f"waited {waited:.0f} s for other processes to go quiet (last seen {load:.2f} cores); "
     load_before = os.getloadavg()[0]
-    ops.set_num_threads(a.threads)
+    set_num_threads(a.threads)
     x = torch.randn(a.rows, a.width, generator=torch.Generator().manual_seed(0))
     group = group_rows(a.group)
     results = [r for bits in a.bits for r in measure(x, bits, a.threads, a.repeats, group, a.blocks)]

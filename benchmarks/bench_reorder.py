@@ -1,4 +1,4 @@
-"""Vertex orders against aggregation time: none / rcm / metis / degree (tessera.graph.reorder).
+"""Vertex orders against aggregation time: none / rcm / metis / degree (tessera.graph.order).
 
 For each width and backend, the median wall time of one forward sum aggregation ``A @ x`` on the
 graph renumbered by each order, all orders interleaved in every repeat (alternating direction)
@@ -19,9 +19,10 @@ import time
 
 import torch
 
-from tessera import ops
+from tessera import sparse
 from tessera.graph import reorder as ro
 from tessera.graph.synthetic import generate
+from tessera.threads import set_num_threads
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args()
-    ops.set_num_threads(args.threads)
+    set_num_threads(args.threads)
     g = generate(args.graph, seed=0)
     base = ro._structure_only(g)
     print(f"{g.name}: {g.num_nodes:,} vertices, {g.num_edges:,} edges, {args.threads} threads")
@@ -56,11 +57,11 @@ def main() -> None:
             for backend in args.backends:
                 times: dict[str, list[float]] = {m: [] for m in args.orders}
                 for m in args.orders:  # warm-up: compile, work items
-                    ops.aggregate(graphs[m], xs[m], backend=backend)
+                    sparse.aggregate(graphs[m], xs[m], backend=backend)
                 for r in range(args.repeats):
                     for m in args.orders if r % 2 == 0 else args.orders[::-1]:
                         t0 = time.perf_counter()
-                        ops.aggregate(graphs[m], xs[m], backend=backend)
+                        sparse.aggregate(graphs[m], xs[m], backend=backend)
                         times[m].append(time.perf_counter() - t0)
                 med = {m: statistics.median(v) for m, v in times.items()}
                 ref = med.get("none", next(iter(med.values())))

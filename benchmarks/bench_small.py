@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 import torch_geometric.nn as pyg
 
-from tessera import ops
 from tessera.datasets import load
 from tessera.graph.formats import to_pyg
 from tessera.nn import build_model
-from tessera.train import prepare_features
+from tessera.threads import set_num_threads
+from tessera.train.loop import prepare_features
 
 
 class PygNet(torch.nn.Module):
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    ops.set_num_threads(args.threads)
+    set_num_threads(args.threads)
     print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads")
     print("| dataset | model | PyG median ms | tessera median ms | tessera / PyG |")
     print("|---|---|---:|---:|---:|")

@@ -11,9 +11,18 @@ Each framework runs under glibc's malloc (``default``) and jemalloc with decay d
 (``jemalloc``, via ``LD_PRELOAD``; marked n/a where libjemalloc is not installed); the table
 compares each framework's better allocator and lists both.
 
+``--tessera-tree LABEL=PATH`` (repeatable) adds a column ``tessera@LABEL``: another tessera source
+tree (e.g. the previous commit as a git worktree), run interleaved with the others by that tree's
+own ``benchmarks/_child.py`` with ``PYTHONPATH=PATH``, so its own ``tessera`` package is imported;
+the report shows ``tessera`` (this tree) ÷ ``tessera@LABEL`` and every repeat's median.
+
     python benchmarks/bench_train.py --graphs arxiv products --models gcn sage gin gat \\
         --hidden 256 --layers 2 --epochs 10 --warmup 3 --threads 2 \\
         --allocators default jemalloc --json out.json --md out.md
+
+    git worktree add /tmp/tessera-before HEAD~1
+    python benchmarks/bench_train.py --graphs arxiv --models gcn sage --frameworks tessera \\
+        --tessera-tree before=/tmp/tessera-before --repeats 3 --md out.md
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -32,7 +42,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _report import LABELS, cpu_facts, detail_table, git_state, graph_table, group, probe_python
+from _report import (
+    TREE_PREFIX,
+    cpu_facts,
+    detail_table,
+    git_state,
+    graph_table,
+    group,
+    label,
+    probe_python,
+    tree_table,
+)
 from _runner import (
     JOIN_CGROUPS,
     ROOT,
@@ -41,7 +61,9 @@ from _runner import (
     Launch,
     allocator_env,
     find_jemalloc,
+    probe_tessera_tree,
     run_child,
+    tree_pythonpath,
     wait_for_quiet,
 )
 
@@ -65,6 +87,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="children per cell (interleaved); epoch times pooled")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tessera-backend", default="auto")
+    p.add_argument(
+        "--tessera-tree",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also time the tessera source tree at PATH (e.g. a git worktree of the previous commit) as "
+        "framework tessera@LABEL, with PATH/benchmarks/_child.py, PYTHONPATH=PATH and the --python "
+        "interpreter; repeatable",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per child")
     p.add_argument("--mem-cap-gb", type=float, default=21.0, help="memory cap per child, GiB")
     p.add_argument("--max-total-s", type=float, default=None, help="skip children that would start after this")
@@ -109,6 +140,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         venv = ROOT / ".venv" / "bin" / "python"
         a.python = str(venv) if venv.exists() else sys.executable
     return a
+
+
+def tessera_trees(specs: list[str]) -> dict[str, Path]:
+    """``["before=/tmp/t"]`` -> ``{"tessera@before": Path("/tmp/t")}``, checked."""
+    out: dict[str, Path] = {}
+    for s in specs:
+        lab, sep, path = s.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", lab) or not path:
+            raise SystemExit(f"--tessera-tree {s!r}: expected LABEL=PATH, LABEL of letters, digits, . _ -")
+        tree = Path(path).expanduser().resolve()
+        for need in ("tessera/__init__.py", "benchmarks/_child.py"):
+            if not (tree / need).is_file():
+                raise SystemExit(f"--tessera-tree {s!r}: {tree / need} does not exist")
+        if tree == ROOT.resolve():
+            raise SystemExit(f"--tessera-tree {s!r}: that is this tree (framework tessera)")
+        fw = TREE_PREFIX + lab
+        if fw in out:
+            raise SystemExit(f"--tessera-tree: label {lab!r} given twice")
+        out[fw] = tree
+    return out
 
 
 def graph_spec(name: str) -> str:
@@ -185,6 +236,20 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("jemalloc: libjemalloc.so.2 not found (apt-get install libjemalloc2); jemalloc column is n/a.")
     main_env = probe_python(a.python)
     frameworks = list(a.frameworks)
+    trees = tessera_trees(a.tessera_tree)
+    tree_facts: dict[str, Any] = {}
+    for fw, tree in trees.items():
+        probe = probe_tessera_tree(a.python, tree)
+        want = tree / "tessera" / "__init__.py"
+        if "error" in probe or Path(probe.get("tessera_file", "")).resolve() != want:
+            raise SystemExit(
+                f"{fw}: with PYTHONPATH={tree} {a.python} imports "
+                f"{probe.get('tessera_file') or 'nothing'} ({probe.get('error', f'expected {want}')})"
+            )
+        tree_facts[fw] = probe
+    # each tree's column right after this tree's, in the order given
+    at = frameworks.index("tessera") + 1 if "tessera" in frameworks else len(frameworks)
+    frameworks[at:at] = list(trees)
     dgl_env: dict[str, Any] = {}
     if "dgl" in frameworks:
         if not Path(a.dgl_python).exists():
@@ -236,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: getattr(a, k) for k in ("hidden", "layers", "heads", "dropout", "epochs", "warmup", "repeats")},
         "frameworks_run": frameworks,
     }
+    if trees:
+        facts["tessera_trees"] = tree_facts
     if not a.no_stream:
         _log("measuring STREAM bandwidth ...")
         facts["stream"] = measure_stream(a.python, a.threads, cpu)
@@ -261,7 +328,19 @@ def main(argv: list[str] | None = None) -> int:
                         for alloc in a.allocators:
                             done += 1
                             rec = _one(
-                                a, fw, alloc, model, gname, spec, gdir, rep, jemalloc, (cgroup, cpu), log_dir, started
+                                a,
+                                fw,
+                                alloc,
+                                model,
+                                gname,
+                                spec,
+                                gdir,
+                                rep,
+                                jemalloc,
+                                (cgroup, cpu),
+                                log_dir,
+                                started,
+                                trees.get(fw),
                             )
                             runs.append(rec)
                             _log(f"[{done}/{total}] {_summary(rec)}")
@@ -305,8 +384,10 @@ def _one(
     cgroups: tuple[CgroupCap | None, CpuWeight | None],
     log_dir: Path,
     started: float,
+    tree: Path | None = None,
 ) -> dict[str, Any]:
-    """Run one cell (retrying while the machine is too busy) and return the kept record."""
+    """Run one cell (retrying while the machine is too busy) and return the kept record; ``tree``:
+    the source tree of a ``tessera@LABEL`` framework, whose own child script runs it."""
     base = {"framework": fw, "allocator": alloc, "model": model, "graph_key": gname, "repeat": rep}
     env = allocator_env(alloc, jemalloc)
     if env is None:
@@ -314,7 +395,7 @@ def _one(
     if a.max_total_s is not None and time.perf_counter() - started > a.max_total_s:
         return {**base, "status": "skipped", "error": f"time budget of {a.max_total_s:g} s spent"}
     child_spec = {
-        "framework": fw,
+        "framework": "tessera" if tree is not None else fw,
         "model": model,
         "allocator": alloc,
         "data_dir": str(gdir),
@@ -330,14 +411,19 @@ def _one(
         "weight_decay": 5e-4,
         "backend": a.tessera_backend,
     }
+    child_env = {**_child_env(a.threads), **env}
+    if tree is not None:
+        child_env["PYTHONPATH"] = tree_pythonpath(tree)
     launch = Launch(
         python=a.dgl_python if fw == "dgl" else a.python,
         spec=child_spec,
-        env={**_child_env(a.threads), **env},
+        env=child_env,
         tag=f"{gname}_{model}_{fw}_{alloc}_{rep}".replace("/", "_").replace(":", "_"),
         log_dir=log_dir,
         timeout_s=a.timeout,
         mem_cap_gib=a.mem_cap_gb,
+        script=None if tree is None else tree / "benchmarks" / "_child.py",
+        cwd=tree,
     )
     attempts: list[dict[str, Any]] = []
     need = (a.epochs + 1) // 2  # a run is clean when at least half its timed epochs were quiet
@@ -414,6 +500,12 @@ def render_saved(paths: list[str], md_path: str | None, json_path: str | None) -
     a.models = models
     present = {r["framework"] for r in runs}
     frameworks = [f for f in FRAMEWORKS if f in present]
+    tree_fws = [f for f in dict.fromkeys(r["framework"] for r in runs) if f.startswith(TREE_PREFIX)]
+    at = frameworks.index("tessera") + 1 if "tessera" in frameworks else len(frameworks)
+    frameworks[at:at] = tree_fws
+    for d in saved[1:]:
+        for fw, tf in d["facts"].get("tessera_trees", {}).items():
+            facts.setdefault("tessera_trees", {}).setdefault(fw, tf)
     md = render(a, facts, frameworks, graphs, runs, notes)
     print(md)
     if md_path:
@@ -472,6 +564,13 @@ def render(
         + f"re-runs a child up to {a.retry_noisy}× when under half its epochs were quiet, keeping the attempt with "
         "the most quiet epochs.",
     ]
+    for fw, tf in facts.get("tessera_trees", {}).items():
+        lines.append(
+            f"- {fw}: tree {tf['path']} (git {tf.get('commit')}"
+            + (", tessera/ has uncommitted changes" if tf.get("tessera_dirty") else "")
+            + f"), run by its own benchmarks/_child.py with PYTHONPATH={tf['path']}; `import tessera` there gives "
+            f"{tf.get('tessera_file')} (source sha1 {tf.get('src_sha1')})"
+        )
     st = facts.get("stream")
     if st and "gb_s" in st:
         g = st["gb_s"]
@@ -491,6 +590,9 @@ def render(
             "",
         ]
         lines += graph_table(gname, a.models, frameworks, a.allocators, grouped, a.mem_cap_gb, a.timeout)
+    if any(f.startswith(TREE_PREFIX) for f in frameworks):
+        lines += ["", "## tessera trees: every repeat", ""]
+        lines += tree_table(list(graphs_meta), a.models, frameworks, a.allocators, runs, facts)
     lines += ["", "## Every run", ""]
     lines += detail_table(grouped, a.mem_cap_gb, a.timeout)
     hashes = {
@@ -511,7 +613,7 @@ def render(
         lines += ["", "## Failures", ""]
         for r in failed:
             lines.append(
-                f"- {r['graph_key']} {r['model']} {LABELS[r['framework']]} {r['allocator']}: "
+                f"- {r['graph_key']} {r['model']} {label(r['framework'])} {r['allocator']}: "
                 f"{r.get('status')} — {r.get('error', '')}"
             )
     return "\n".join(lines)

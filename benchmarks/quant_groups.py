@@ -33,17 +33,17 @@ GROUPS = (1, 2, 4, 8)
 def bytes_table(dataset: str, parts: int, groups=GROUPS) -> None:
     """Print int2/fp32 epoch bytes per G, for the plain model and with the accuracy guards."""
     from tessera import datasets
-    from tessera.dist import wire
+    from tessera.comm import wire
     from tessera.graph.partition import partition
-    from tessera.sim.volume import exchange_layers, pair_rows, summarize
+    from tessera.graph.partition.halo import pair_rows
+    from tessera.nn import build_model
+    from tessera.planner.volume import exchange_layers, summarize
 
     g = datasets.load(dataset)
     part = partition(g, parts, "metis", 0)
     rows = pair_rows(g.indptr.numpy(), g.indices.numpy(), part, parts)
-    settings = {
-        "plain": exchange_layers("gcn", g.num_features, 256, g.num_classes, 2),
-        "LN+LP": exchange_layers("gcn", g.num_features, 256, g.num_classes, 2, "layer", 0.5),
-    }
+    specs = build_model("gcn", g.num_features, 256, g.num_classes, 2).describe()
+    settings = {"plain": exchange_layers(specs), "LN+LP": exchange_layers(specs, "layer", 0.5)}
     print(f"{dataset}, P={parts}, gcn hidden 256, 2 layers; int2 bytes per training epoch, parameters included")
     print()
     print(
@@ -72,11 +72,11 @@ def _worker(rank, world, port, root, groups, err_groups, fp32, seeds, out_dir):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), TESSERA_DATA=root
     )
-    from tessera.config import TrainConfig
+    from tessera.comm import quantize, wire
+    from tessera.comm.group import init_from_env, shutdown
     from tessera.datasets import load
-    from tessera.dist import quantize, wire
-    from tessera.dist.context import init_from_env, shutdown
-    from tessera.train import Trainer
+    from tessera.train.config import TrainConfig
+    from tessera.train.loop import Trainer
 
     torch.set_num_threads(1)
     real_encode, err = quantize.encode, {}
@@ -118,7 +118,7 @@ def accuracy_table(root: str, seeds: int, groups=GROUPS, err_groups=GROUPS, fp32
     """Cora, 4 ranks: test accuracy per configuration and int2 error per G (``err_groups``)."""
     import torch.multiprocessing as mp
 
-    from tessera.dist.launch import free_port
+    from tessera.cli.launch import free_port
 
     world = 4
     with tempfile.TemporaryDirectory() as d:

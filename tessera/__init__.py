@@ -1,5 +1,6 @@
 """tessera: fast full-graph GNN training."""
 
+from tessera import backends as _backends  # noqa: F401  (registers the backends and the single-process operand)
 from tessera.errors import DatasetError, GraphError, TesseraError
 from tessera.graph import Graph
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from tessera.cli import main
+from tessera.cli.main import main
 
 sys.exit(main())

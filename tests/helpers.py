@@ -39,7 +39,7 @@ def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:
     "terminate called without an active exception") was seen once; a second failure is real."""
     import torch.multiprocessing as mp
 
-    from tessera.dist.launch import free_port
+    from tessera.cli.launch import free_port
 
     try:
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)

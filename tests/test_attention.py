@@ -3,13 +3,14 @@ import torch
 import torch.nn.functional as F
 
 from helpers import awkward_graph
-from tessera import Graph, ops
-from tessera.ops import attention_kernels
-from tessera.ops.attention_kernels import gat_attention
+from tessera import Graph, sparse
+from tessera.sparse import attention_kernels
+from tessera.sparse.attention_kernels import gat_attention
+from tessera.threads import set_num_threads
 
 
 def reference(g, a_src, a_dst, slope=0.2):
-    return ops.edge_softmax(g, F.leaky_relu(ops.edge_score(g, a_src, a_dst), slope))
+    return sparse.edge_softmax(g, F.leaky_relu(sparse.edge_score(g, a_src, a_dst), slope))
 
 
 def inputs(g, heads, dtype, scale=1.0, seed=0):
@@ -83,11 +84,11 @@ def test_deterministic_across_runs_and_thread_counts(path):
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
-            ops.set_num_threads(threads)
+            set_num_threads(threads)
             again = grads(gat_attention, g, a_src, a_dst)
             assert all(torch.equal(a, b) for a, b in zip(first, again)), f"differs with {threads} threads"
     finally:
-        ops.set_num_threads(before)
+        set_num_threads(before)
 
 
 @pytest.mark.parametrize("n", [0, 5])
@@ -107,7 +108,7 @@ def test_shape_mismatch_is_clear():
 
 
 def test_rectangular_csr_rows():
-    sparse = pytest.importorskip("tessera.ops.sparse")
+    sparse = pytest.importorskip("tessera.graph.csr")
     g = awkward_graph()
     k = 40
     stop = int(g.indptr[k])

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tessera.cli import main
-from tessera.config import make_config, read_toml
+from tessera.cli.main import main
 from tessera.graph.synthetic import PRESETS
+from tessera.train.config import make_config, read_toml
 
 REPO = Path(__file__).resolve().parents[1]
 

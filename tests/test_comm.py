@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from helpers import spawn_with_retry
-from tessera.config import TrainConfig
+from tessera.cli.launch import free_port
 from tessera.datasets import load
-from tessera.dist.launch import free_port
-from tessera.ops.threads import set_num_threads
-from tessera.train import Trainer
+from tessera.threads import set_num_threads
+from tessera.train.config import TrainConfig
+from tessera.train.loop import Trainer
 
 
 def _accuracy_worker(rank, world, port, root, configs, out_dir):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), TESSERA_DATA=root
     )
-    from tessera.dist.context import init_from_env, shutdown
+    from tessera.comm.group import init_from_env, shutdown
 
     set_num_threads(1)  # numba's pool first, or it resets torch to every core
     comm = init_from_env(300)
@@ -66,31 +66,31 @@ def test_int2_with_layernorm_and_label_propagation_keeps_cora_accuracy(planetoid
 
 def _exchange_worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from tessera.dist.accounting import BACKWARD, FORWARD, CommLog
-    from tessera.dist.context import init_from_env, shutdown
-    from tessera.dist.halo import DistGraph
-    from tessera.dist.wire import block_bytes
+    from tessera.comm.accounting import BACKWARD, FORWARD, CommLog
+    from tessera.comm.exchange import Exchange
+    from tessera.comm.group import init_from_env, shutdown
+    from tessera.comm.wire import block_bytes
     from tessera.graph.partition import partition
+    from tessera.graph.partition.halo import build_rank_plan
 
     set_num_threads(1)  # numba's pool first, or it resets torch to every core
-    init_from_env(300)
+    comm = init_from_env(300)
     report = {}
     try:
         g = load("synthetic:small")
-        dg = DistGraph.from_graph(g, partition(g, world, "metis", 0), rank, world, "prepost")
+        part = partition(g, world, "metis", 0)
+        plan = build_rank_plan(g.indptr.numpy(), g.indices.numpy(), None, part, "prepost", rank, world=world)
+        ex = Exchange(comm, plan.send_counts, plan.recv_counts)
         gen = torch.Generator().manual_seed(rank)
-        for direction, rows_in, rows_out in (
-            (FORWARD, dg.S.num_rows, dg.R.num_cols),
-            (BACKWARD, dg.R.num_cols, dg.S.num_rows),
-        ):
+        for direction, rows_in in ((FORWARD, plan.S.n_rows), (BACKWARD, plan.R.n_cols)):
             x = torch.rand(rows_in, 24, generator=gen)  # values in [0, 1): any group's step is <= 1 / (2^b - 1)
-            dg.configure_comm(32, None)
-            ref = dg.finish(dg.exchange(x, rows_out, direction, 0), 0, direction)
+            ex.configure(32, None)
+            ref = ex.finish(ex.start(x, 0, direction))
             for bits in (8, 2):
                 log = CommLog(rank, world)
-                dg.configure_comm(bits, log)
-                got = [dg.finish(dg.exchange(x, rows_out, direction, 0), 0, direction) for _ in range(2)]
-                send = [dg.send_counts, dg.recv_counts][direction]
+                ex.configure(bits, log)
+                got = [ex.finish(ex.start(x, 0, direction)) for _ in range(2)]
+                send = [ex.send_counts, ex.recv_counts][direction]
                 expect = {
                     (0, 1, p, k): b for p, n in enumerate(send) if n for k, b in enumerate(block_bytes(n, 24, bits))
                 }
@@ -128,7 +128,7 @@ def _bytes_worker(rank, world, port, root, out_dir):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), TESSERA_DATA=root
     )
-    from tessera.dist.context import init_from_env, shutdown
+    from tessera.comm.group import init_from_env, shutdown
 
     set_num_threads(1)  # numba's pool first, or it resets torch to every core
     comm = init_from_env(300)
@@ -159,13 +159,16 @@ def _bytes_worker(rank, world, port, root, out_dir):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_simulator_bytes_equal_measured_bytes(world, planetoid_root, tmp_path, monkeypatch):
-    from tessera.sim.volume import runtime_bytes, simulate_volumes
+    from tessera.nn import build_model
+    from tessera.planner.volume import runtime_bytes, simulate_volumes
 
     spawn_with_retry(_bytes_worker, args=(world, free_port(), str(planetoid_root.parent), str(tmp_path)), nprocs=world)
     got = json.loads((tmp_path / "bytes.json").read_text())
     monkeypatch.setenv("TESSERA_DATA", str(planetoid_root.parent))
     for ds in ("cora", "synthetic:small"):
-        vol = simulate_volumes(load(ds), world, model="gcn", hidden=16, layers=2, modes=MODES, bits=BITS)
+        g = load(ds)
+        specs = build_model("gcn", g.num_features, 16, g.num_classes, 2).describe()
+        vol = simulate_volumes(g, world, specs, modes=MODES, bits=BITS)
         for mode in MODES:
             for bits in BITS:
                 measured = got[f"{ds}|{mode}|{bits}"]

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from helpers import awkward_graph, dense_adjacency
-from tessera import Graph, ops
+from tessera import Graph, sparse
+from tessera.backends.base import get_backend
+from tessera.backends.cpu_dense_block import DenseBlockConfig
 from tessera.graph import chunking
-from tessera.ops.backends.dense_block import DenseBlockConfig
-from tessera.ops.registry import get_backend
-from tessera.ops.sparse import CSRMatrix
+from tessera.graph.csr import CSRMatrix
 
 # Small chunks and a low density threshold so that the awkward test graphs do form dense blocks
 # (the defaults are tuned for large graphs and would leave them entirely to the CSR kernel).
@@ -36,7 +36,7 @@ def _check_against_reference(g, reduce, weighted):
     outs = {}
     for backend in ("reference", "dense_block"):
         xr = x.clone().requires_grad_()
-        y = ops.aggregate(g, xr, reduce, w, backend)
+        y = sparse.aggregate(g, xr, reduce, w, backend)
         y.backward(gy)
         outs[backend] = (y.detach(), xr.grad)
     for got, ref in zip(outs["dense_block"], outs["reference"]):
@@ -77,8 +77,8 @@ def test_default_config_matches_reference():
     x = torch.randn(g.num_nodes, 16)
     w = torch.rand(g.num_edges)
     for weight in (None, w):
-        ref = ops.aggregate(g, x, "sum", weight, "reference")
-        got = ops.aggregate(g, x, "sum", weight, "dense_block")
+        ref = sparse.aggregate(g, x, "sum", weight, "reference")
+        got = sparse.aggregate(g, x, "sum", weight, "dense_block")
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
@@ -87,7 +87,7 @@ def test_symmetric_graph_reuses_forward_plan_with_weights(forced):
     assert forced.plan(g, transposed=True) is forced.plan(g)
     w = torch.rand(g.num_edges, dtype=torch.float64)
     x = torch.randn(g.num_nodes, 7, dtype=torch.float64, requires_grad=True)
-    y = ops.aggregate(g, x, "sum", w, "dense_block")
+    y = sparse.aggregate(g, x, "sum", w, "dense_block")
     gy = torch.randn_like(y)
     y.backward(gy)
     a = dense_adjacency(g, w)
@@ -101,8 +101,8 @@ def test_gradcheck_float64(forced, reduce):
     assert forced.plan(g).num_blocks > 0
     x = torch.randn(g.num_nodes, 3, dtype=torch.float64, requires_grad=True)
     w = torch.rand(g.num_edges, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(g, x, reduce, w, "dense_block"), (x, w))
-    assert torch.autograd.gradcheck(lambda x: ops.aggregate(g, x, reduce, None, "dense_block"), (x,))
+    assert torch.autograd.gradcheck(lambda x, w: sparse.aggregate(g, x, reduce, w, "dense_block"), (x, w))
+    assert torch.autograd.gradcheck(lambda x: sparse.aggregate(g, x, reduce, None, "dense_block"), (x,))
 
 
 def test_heads_and_per_head_weights_are_delegated(forced):
@@ -110,8 +110,8 @@ def test_heads_and_per_head_weights_are_delegated(forced):
     x = torch.randn(g.num_nodes, 2, 5)
     w = torch.rand(g.num_edges, 2)
     for weight in (None, w):
-        ref = ops.aggregate(g, x, "sum", weight, "reference")
-        got = ops.aggregate(g, x, "sum", weight, "dense_block")
+        ref = sparse.aggregate(g, x, "sum", weight, "reference")
+        got = sparse.aggregate(g, x, "sum", weight, "dense_block")
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
@@ -146,12 +146,12 @@ def test_rectangular_matrix(forced):
 def test_empty_graph_and_zero_width(forced):
     g = Graph.from_edge_index(torch.zeros(2, 0, dtype=torch.int64), 5)
     x = torch.randn(5, 3, requires_grad=True)
-    y = ops.aggregate(g, x, "mean", None, "dense_block")
+    y = sparse.aggregate(g, x, "mean", None, "dense_block")
     assert torch.equal(y, torch.zeros(5, 3))
     y.sum().backward()
     assert torch.equal(x.grad, torch.zeros(5, 3))
     g2 = awkward_graph()
-    assert ops.aggregate(g2, torch.randn(g2.num_nodes, 0), "sum", None, "dense_block").shape == (g2.num_nodes, 0)
+    assert sparse.aggregate(g2, torch.randn(g2.num_nodes, 0), "sum", None, "dense_block").shape == (g2.num_nodes, 0)
 
 
 # ------------------------------------------------------------------------------------ chunking
@@ -207,15 +207,17 @@ def test_compress_splits_edges_exactly_once():
     assert b.rem_indptr[-1] == b.rem_eid.size
 
 
-def test_graph_chunking_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch):
+def test_chunking_is_kept_by_the_backend_and_stored_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
     g = awkward_graph(seed=4)
-    a = chunking.graph_chunking(g, 8, disk_cache=True)
-    assert chunking.graph_chunking(g, 8, disk_cache=True) is a
+    a = chunking.locality_chunking(g, 8, disk_cache=True)
+    be = get_backend("dense_block")
+    assert be.plan(g) is be.plan(g)  # the backend's own plan cache, not the graph
+    assert not g._structure.get("dense_block_plan")
     files = list((tmp_path / "chunks").glob("*.npz"))
     assert len(files) == 1
     g2 = awkward_graph(seed=4)  # same structure, fresh object: loads from disk
-    b = chunking.graph_chunking(g2, 8, disk_cache=True)
+    b = chunking.locality_chunking(g2, 8, disk_cache=True)
     assert np.array_equal(a.order, b.order) and np.array_equal(a.chunk_ptr, b.chunk_ptr)
 
 

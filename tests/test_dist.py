@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from helpers import spawn_with_retry
-from tessera.config import TrainConfig
+from tessera.cli.launch import free_port
 from tessera.datasets import load
-from tessera.dist.launch import free_port
-from tessera.train import Trainer
+from tessera.train.config import TrainConfig
+from tessera.train.loop import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("post", "pre", "prepost")
@@ -41,7 +41,7 @@ def _config(dataset, model, mode, out):
 
 def _worker(rank, world, port, datasets, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from tessera.dist.context import init_from_env, shutdown
+    from tessera.comm.group import init_from_env, shutdown
 
     torch.set_num_threads(1)
     comm = init_from_env(120)
@@ -218,7 +218,7 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error_before_the_timeout(tmp
     lines = [s for s in err.strip().splitlines() if s.startswith("tessera: error")]
     assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    from tessera.checkpoint import load_checkpoint
+    from tessera.train.checkpoint import load_checkpoint
 
     assert load_checkpoint(tmp_path / "checkpoint.pt")["epoch"] >= 1
 
@@ -258,7 +258,7 @@ def test_mismatched_partition_files_are_rejected(tmp_path):
 
 
 def test_partition_command_reports_cut_balance_and_halo(capsys):
-    from tessera.cli import main
+    from tessera.cli.main import main
 
     assert main(["partition", "--dataset", "synthetic:small", "--parts", "4"]) == 0
     out = capsys.readouterr().out
@@ -284,7 +284,7 @@ _RESTART_WORKER = """
 import os, sys, time
 import torch
 import torch.distributed as dist
-from tessera.dist.context import init_from_env, shutdown
+from tessera.comm.group import init_from_env, shutdown
 
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 if attempt == 1 and rank == 1:

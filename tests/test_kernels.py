@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from helpers import awkward_graph, dense_adjacency
-from tessera import ops
-from tessera.ops import sparsity
-from tessera.ops.backends import csr as csr_mod
-from tessera.ops.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
+from tessera import sparse
+from tessera.backends import available_backends, get_backend
+from tessera.backends import cpu_csr as csr_mod
+from tessera.sparse import sparsity
+from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
+from tessera.threads import set_num_threads
 
-BACKENDS = ops.available_backends()
+BACKENDS = available_backends()
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +35,10 @@ def _threads(n: int):
     class _Ctx:
         def __enter__(self):
             self.before = torch.get_num_threads()
-            ops.set_num_threads(n)
+            set_num_threads(n)
 
         def __exit__(self, *exc):
-            ops.set_num_threads(self.before)
+            set_num_threads(self.before)
 
     return _Ctx()
 
@@ -57,7 +59,7 @@ def test_hub_graph_is_awkward_and_tiles(hub):
             for r0, r1, f0, f1 in items:
                 cover[r0:r1, f0:f1] += 1
             assert (cover == 1).all()
-    be = ops.get_backend("csr")
+    be = get_backend("csr")
     for width in (100, 256, 300):  # wide products run as passes over 128-feature blocks
         cover = np.zeros((hub.num_nodes, width), np.int64)
         passes = be._passes(hub, False, width)
@@ -79,7 +81,7 @@ def test_forward_and_input_grad_match_reference_float32(hub, backend, width, wei
     results = {}
     for name in ("reference", backend):
         xr = x.clone().requires_grad_(True)
-        out = ops.aggregate(hub, xr, reduce, w, name)
+        out = sparse.aggregate(hub, xr, reduce, w, name)
         out.backward(g)
         results[name] = (out.detach(), xr.grad)
     _close(results[backend][0], results["reference"][0])
@@ -100,14 +102,14 @@ def test_heads_and_edge_weight_grad_match_reference(hub, backend):
     res = {}
     for name in ("reference", backend):
         xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = ops.aggregate(hub, xr, "sum", wr, name)
+        out = sparse.aggregate(hub, xr, "sum", wr, name)
         out.backward(g)
         res[name] = (out.detach(), xr.grad, wr.grad)
     for a, b in zip(res[backend], res["reference"]):
         _close(a, b)
     # one weight for every head: the 3-D input runs as one wide row
     w1 = torch.rand(hub.num_edges, generator=gen)
-    _close(ops.aggregate(hub, x, "sum", w1, backend), ops.aggregate(hub, x, "sum", w1, "reference"))
+    _close(sparse.aggregate(hub, x, "sum", w1, backend), sparse.aggregate(hub, x, "sum", w1, "reference"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -116,7 +118,7 @@ def test_sddmm_dot_matches_reference(hub, backend):
     for shape in ((40,), (3, 16)):
         gx = torch.randn(hub.num_nodes, *shape, generator=gen)
         x = torch.randn(hub.num_nodes, *shape, generator=gen)
-        _close(ops.get_backend(backend).sddmm_dot(hub, gx, x), ops.get_backend("reference").sddmm_dot(hub, gx, x))
+        _close(get_backend(backend).sddmm_dot(hub, gx, x), get_backend("reference").sddmm_dot(hub, gx, x))
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
@@ -125,11 +127,11 @@ def test_csr_gradcheck_with_feature_tiles(reduce):
     assert (csr_mod.work_items(g.indptr.numpy().astype(np.int64), 20, 2)[:, 2] > 0).any()
     x = torch.randn(g.num_nodes, 20, dtype=torch.float64, requires_grad=True)
     w = torch.rand(g.num_edges, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(g, x, reduce, w, "csr"), (x, w), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x, w: sparse.aggregate(g, x, reduce, w, "csr"), (x, w), fast_mode=True)
 
 
 def test_csr_is_deterministic_across_threads_and_tilings(hub, monkeypatch):
-    be = ops.get_backend("csr")
+    be = get_backend("csr")
     gen = torch.Generator().manual_seed(11)
     w = torch.rand(hub.num_edges, generator=gen)
     for width in (64, 256):
@@ -157,12 +159,12 @@ def test_csr_is_deterministic_across_threads_and_tilings(hub, monkeypatch):
 
 
 def test_output_buffer_is_reused_and_new_outputs_are_correct(hub):
-    be = ops.get_backend("csr")
+    be = get_backend("csr")
     x = torch.randn(hub.num_nodes, 64)
     out = torch.full((hub.num_nodes, 64), float("nan"))
     got = be.spmm(hub, x, None, out=out)
     assert got.data_ptr() == out.data_ptr()
-    _close(got, ops.get_backend("reference").spmm(hub, x, None))
+    _close(got, get_backend("reference").spmm(hub, x, None))
     big = csr_mod.new_output((5000, 1000), torch.float32)  # large enough for the huge-page advice
     assert big.shape == (5000, 1000) and big.dtype == torch.float32
 
@@ -170,7 +172,7 @@ def test_output_buffer_is_reused_and_new_outputs_are_correct(hub):
 def test_empty_graph_and_zero_width():
     from tessera import Graph
 
-    be = ops.get_backend("csr")
+    be = get_backend("csr")
     g = Graph.from_edge_index(torch.zeros(2, 0, dtype=torch.int64), 4)
     assert torch.equal(be.spmm(g, torch.randn(4, 8), None), torch.zeros(4, 8))
     assert torch.equal(be.spmm_t(g, torch.randn(4, 8), None), torch.zeros(4, 8))
@@ -244,7 +246,7 @@ def test_masked_gradcheck():
     out = masked_aggregate(g, x, mask, "sum", w)
     go = torch.randn_like(out)
     (gx,) = torch.autograd.grad(out, x, go)
-    _close(gx, ops.get_backend("reference").spmm_t(g, go * mask, w.detach()), 1e-12)
+    _close(gx, get_backend("reference").spmm_t(g, go * mask, w.detach()), 1e-12)
 
 
 def test_dropout_aggregate_keeps_about_half_scaled():
@@ -252,7 +254,7 @@ def test_dropout_aggregate_keeps_about_half_scaled():
     x = torch.randn(g.num_nodes, 64)
     torch.manual_seed(0)
     out = dropout_aggregate(g, x, 0.5)
-    full = ops.aggregate(g, x, "sum", None, "reference")
+    full = sparse.aggregate(g, x, "sum", None, "reference")
     live = full != 0
     keep = out[live] != 0
     assert 0.45 < keep.float().mean().item() < 0.55
@@ -260,15 +262,15 @@ def test_dropout_aggregate_keeps_about_half_scaled():
     torch.manual_seed(0)
     assert torch.equal(out, dropout_aggregate(g, x, 0.5))
     # the same mask and roundings as dropout after the csr aggregation
-    from tessera.ops.dropout import dropout
+    from tessera.sparse.dropout import dropout
 
     for p in (0.5, 0.3):
         w = torch.rand(g.num_edges)
         torch.manual_seed(1)
         fused = dropout_aggregate(g, x, p, "sum", w)
         torch.manual_seed(1)
-        assert torch.equal(fused, dropout(ops.aggregate(g, x, "sum", w, "csr"), p))
-    assert torch.equal(dropout_aggregate(g, x, 0.5, training=False), ops.aggregate(g, x))
+        assert torch.equal(fused, dropout(sparse.aggregate(g, x, "sum", w, "csr"), p))
+    assert torch.equal(dropout_aggregate(g, x, 0.5, training=False), sparse.aggregate(g, x))
 
 
 def test_masked_rejects_bad_masks(hub):
@@ -282,7 +284,7 @@ def test_masked_rejects_bad_masks(hub):
 
 
 def test_work_items_cover_every_row_once_even_with_fewer_edges_than_items():
-    from tessera.ops.backends.csr import work_items
+    from tessera.backends.cpu_csr import work_items
 
     for indptr in (np.array([0, 1, 2, 3]), np.array([0, 0, 0]), np.array([0, 5, 5, 6])):
         items = work_items(indptr, 16, 2)
@@ -297,19 +299,19 @@ def test_work_items_cover_every_row_once_even_with_fewer_edges_than_items():
 def test_models_use_s_spmm_and_match_the_plain_composition(monkeypatch, model, hidden, layers, expected):
     # GCN/SAGE 256->256 aggregate last, so the next dropout's mask limits the aggregation; GIN's
     # second layer aggregates dropout(relu(h)) first, so its backward computes only kept entries.
-    import tessera.ops.masked as masked_mod
+    from tessera.backends.local import LocalOperand
     from tessera.datasets import load
     from tessera.nn import build_model
 
     calls: dict[str, int] = {}
-    real = masked_mod.masked_product
+    real = LocalOperand.masked_spmm
 
-    def counting(backend, graph, x, mask, weight, row_scale, transposed):
+    def counting(self, x, mask, weight, row_scale, transposed):
         key = "transposed" if transposed else "forward"
         calls[key] = calls.get(key, 0) + 1
-        return real(backend, graph, x, mask, weight, row_scale, transposed)
+        return real(self, x, mask, weight, row_scale, transposed)
 
-    monkeypatch.setattr(masked_mod, "masked_product", counting)
+    monkeypatch.setattr(LocalOperand, "masked_spmm", counting)
     g = load("synthetic:tiny")
     torch.manual_seed(0)
     m = build_model(model, g.x.shape[1], hidden, int(g.y.max()) + 1, layers, 0.5)
@@ -338,12 +340,12 @@ def test_train_flag_s_spmm_reaches_the_model_and_leaves_the_run_unchanged(monkey
     # the same values, the loss history matches the default run's.
     import json
 
-    import tessera.ops.masked as masked_mod
-    from tessera.cli import main
+    from tessera.backends.local import LocalOperand
+    from tessera.cli.main import main
 
     calls = []
-    real = masked_mod.masked_product
-    monkeypatch.setattr(masked_mod, "masked_product", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = LocalOperand.masked_spmm
+    monkeypatch.setattr(LocalOperand, "masked_spmm", lambda *a, **k: calls.append(1) or real(*a, **k))
     hist = {}
     for flag in ([], ["--s-spmm"]):
         out = tmp_path / ("on" if flag else "off")
@@ -364,9 +366,9 @@ def test_backward_product_of_mostly_zero_rows_gathers_only_live_rows(monkeypatch
     monkeypatch.setattr(csr_mod, "_LIVE_KEEP", 100)
     g = awkward_graph(n=300, e=3000, seed=3)
     w = torch.rand(g.num_edges) if weighted else None
-    csr, ref = ops.get_backend("csr"), ops.get_backend("reference")
+    csr, ref = get_backend("csr"), get_backend("reference")
     gen = torch.Generator().manual_seed(0)
-    plans = g.cached("csr_live_plans", dict)
+    plans = csr.plans.get(g, "live_plans", dict)
     for share, width in ((0.1, 7), (0.3, 47), (0.1, 200)):
         x = torch.randn(g.num_nodes, width, generator=gen)
         x[torch.rand(g.num_nodes, generator=gen) >= share] = 0

@@ -3,11 +3,13 @@ import torch
 from torch_geometric.utils import softmax as pyg_softmax
 
 from helpers import awkward_graph, dense_adjacency
-from tessera import ops
-from tessera.ops.dropout import dropout
+from tessera import sparse
+from tessera.backends import available_backends
+from tessera.sparse.dropout import dropout
+from tessera.threads import set_num_threads
 
 
-@pytest.mark.parametrize("backend", ops.available_backends())
+@pytest.mark.parametrize("backend", available_backends())
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_aggregate_matches_dense(backend, reduce, weighted):
@@ -18,37 +20,37 @@ def test_aggregate_matches_dense(backend, reduce, weighted):
     if reduce == "mean":
         deg = g.in_degree().to(torch.float64).clamp(min=1)
         a = a / deg[:, None]
-    got = ops.aggregate(g, x, reduce, w, backend)
+    got = sparse.aggregate(g, x, reduce, w, backend)
     torch.testing.assert_close(got, a @ x)
     assert bool((got[-3:] == 0).all()), "isolated vertices aggregate to zero"
 
 
-@pytest.mark.parametrize("backend", ops.available_backends())
+@pytest.mark.parametrize("backend", available_backends())
 @pytest.mark.parametrize("reduce", ["sum", "mean"])
 def test_aggregate_gradcheck(backend, reduce):
     g = awkward_graph(n=12, e=40)
     x = torch.randn(g.num_nodes, 3, dtype=torch.float64, requires_grad=True)
     w = torch.rand(g.num_edges, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(g, x, reduce, w, backend), (x, w))
+    assert torch.autograd.gradcheck(lambda x, w: sparse.aggregate(g, x, reduce, w, backend), (x, w))
     xh = torch.randn(g.num_nodes, 2, 3, dtype=torch.float64, requires_grad=True)
     wh = torch.rand(g.num_edges, 2, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(g, x, reduce, w, backend), (xh, wh))
+    assert torch.autograd.gradcheck(lambda x, w: sparse.aggregate(g, x, reduce, w, backend), (xh, wh))
 
 
 def test_edge_softmax_matches_pyg_and_gradcheck():
     g = awkward_graph(n=20, e=80)
     s = torch.randn(g.num_edges, 3, dtype=torch.float64, requires_grad=True)
-    torch.testing.assert_close(ops.edge_softmax(g, s), pyg_softmax(s, g.dst_index(), num_nodes=g.num_nodes))
-    assert torch.autograd.gradcheck(lambda s: ops.edge_softmax(g, s), (s,))
+    torch.testing.assert_close(sparse.edge_softmax(g, s), pyg_softmax(s, g.dst_index(), num_nodes=g.num_nodes))
+    assert torch.autograd.gradcheck(lambda s: sparse.edge_softmax(g, s), (s,))
 
 
 def test_unknown_backend_and_reduce_are_clear():
     g = awkward_graph()
     x = torch.randn(g.num_nodes, 2)
     with pytest.raises(Exception, match="unknown aggregation backend 'nope'"):
-        ops.aggregate(g, x, backend="nope")
+        sparse.aggregate(g, x, backend="nope")
     with pytest.raises(Exception, match="unknown reduce 'max'"):
-        ops.aggregate(g, x, reduce="max")
+        sparse.aggregate(g, x, reduce="max")
 
 
 def test_dropout_statistics_scale_and_mask_reuse_in_backward():
@@ -73,11 +75,11 @@ def test_dropout_is_seeded_and_thread_count_independent():
     a = dropout(x, 0.5)
     before = torch.get_num_threads()
     try:
-        ops.set_num_threads(1)
+        set_num_threads(1)
         torch.manual_seed(5)
         b = dropout(x, 0.5)
     finally:
-        ops.set_num_threads(before)
+        set_num_threads(before)
     assert torch.equal(a, b)
     c = dropout(x, 0.5)
     assert not torch.equal(a, c)
@@ -85,9 +87,9 @@ def test_dropout_is_seeded_and_thread_count_independent():
     assert torch.equal(dropout(x, 0.0), x)
 
 
-@pytest.mark.parametrize("backend", ops.available_backends())
+@pytest.mark.parametrize("backend", available_backends())
 def test_rectangular_csr_matrix_matches_dense_and_gradcheck(backend):
-    from tessera.ops.sparse import CSRMatrix
+    from tessera.graph.csr import CSRMatrix
 
     gen = torch.Generator().manual_seed(1)
     rows, cols, nnz = 7, 11, 30
@@ -102,8 +104,8 @@ def test_rectangular_csr_matrix_matches_dense_and_gradcheck(backend):
     dense = torch.zeros(rows, cols, dtype=torch.float64).index_put_((r, c), w, accumulate=True)
     x = torch.randn(cols, 4, dtype=torch.float64, requires_grad=True)
     wg = w.clone().requires_grad_(True)
-    torch.testing.assert_close(ops.aggregate(m, x, "sum", w, backend), dense @ x)
-    assert torch.autograd.gradcheck(lambda x, w: ops.aggregate(m, x, "sum", w, backend), (x, wg))
+    torch.testing.assert_close(sparse.aggregate(m, x, "sum", w, backend), dense @ x)
+    assert torch.autograd.gradcheck(lambda x, w: sparse.aggregate(m, x, "sum", w, backend), (x, wg))
 
 
 def _lowbias32_np(v):
@@ -119,7 +121,7 @@ def test_dropout_mask_is_the_documented_hash_of_seed_and_index():
     # the kernel hashes in 32-bit lanes; the mask must equal the 64-bit definition element for element
     import numpy as np
 
-    from tessera.ops.dropout import _BLOCK
+    from tessera.sparse.dropout import _BLOCK
 
     n, p = 3 * _BLOCK + 123, 0.4
     torch.manual_seed(11)
@@ -140,7 +142,7 @@ def test_dropout_mask_is_the_documented_hash_of_seed_and_index():
 def test_linear_matches_torch_forward_and_backward(bias, sparse_grad, monkeypatch):
     # sparse_grad: the output gradient is zero outside a tenth of the rows (a loss on training
     # vertices only), so the backward products run on the live rows alone.
-    from tessera.ops import sparsity
+    from tessera.sparse import sparsity
 
     torch.manual_seed(0)
     x = torch.randn(1031, 67, requires_grad=True)
@@ -152,7 +154,7 @@ def test_linear_matches_torch_forward_and_backward(bias, sparse_grad, monkeypatc
         g[torch.rand(1031) > 0.1] = 0
     assert (sparsity.sparse_rows(g) is not None) == sparse_grad
     state = torch.get_rng_state()
-    y = ops.linear(x, w, b)
+    y = sparse.linear(x, w, b)
     assert torch.equal(torch.get_rng_state(), state)  # no random draws: seeds downstream stay put
     y.backward(g)
     grads = [t.grad.clone() for t in (x, w, b) if t is not None]
@@ -165,7 +167,7 @@ def test_linear_matches_torch_forward_and_backward(bias, sparse_grad, monkeypatc
     for got, t in zip(grads, [t for t in (x, w, b) if t is not None], strict=True):
         torch.testing.assert_close(got, t.grad, rtol=1e-5, atol=1e-3)
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, c: ops.linear(a[:7], c[:5]), (xd, wd))  # float64: torch's path
+    assert torch.autograd.gradcheck(lambda a, c: sparse.linear(a[:7], c[:5]), (xd, wd))  # float64: torch's path
     from tessera.nn.linear import Linear
 
     lin = Linear(67, 45, bias=bias)
@@ -178,7 +180,7 @@ def test_retain_freed_memory_is_opt_in_and_idempotent():
     import subprocess
     import sys
 
-    code = "from tessera.allocator import retain_freed_memory as r; print(r(), r())"
+    code = "from tessera.train.allocator import retain_freed_memory as r; print(r(), r())"
     env = {k: v for k, v in os.environ.items() if k != "TESSERA_MALLOC"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]  # off unless asked for
@@ -188,7 +190,7 @@ def test_retain_freed_memory_is_opt_in_and_idempotent():
 
 
 def test_sparse_rows_marks_live_rows_and_forgets_a_modified_tensor(monkeypatch):
-    from tessera.ops import sparsity
+    from tessera.sparse import sparsity
 
     monkeypatch.setattr(sparsity, "MIN_ROWS", 0)
     g = torch.zeros(2000, 33)

@@ -11,8 +11,8 @@ import torch
 from helpers import awkward_graph
 from tessera import Graph, datasets
 from tessera.errors import ConfigError, DatasetError
-from tessera.graph import partition as pt
-from tessera.graph.partition import format_partition_report, load_part, partition, partition_stats, write_parts
+from tessera.graph.partition import assign as pt
+from tessera.graph.partition import format_partition_report, load_part, metis, partition, partition_stats, write_parts
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +81,11 @@ def test_metis_small_awkward_graph(tmp_path):
         assert p.shape == (g.num_nodes,) and 0 <= p.min() and p.max() < parts
 
 
-def test_single_constraint_fallback(small):
-    xadj, adjncy, ew = pt._metis_graph(small)
-    p = pt._metis_single(xadj, adjncy, ew, pt._vertex_weights(small), 4, 0)
+def test_single_constraint_fallback(small, metis4, monkeypatch):
+    monkeypatch.setattr(metis, "_metis_lib", lambda: None)  # no ctypes path: one combined weight
+    with pytest.warns(RuntimeWarning, match="falling back to single-constraint pymetis"):
+        p = pt._metis(small, 4, 0)
+    assert not np.array_equal(p, metis4)
     s = partition_stats(small, p, 4)
     assert s["edge_balance"] < 1.5 and s["edge_cut_fraction"] < 0.5
 

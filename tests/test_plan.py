@@ -9,18 +9,17 @@ import torch
 
 from helpers import awkward_graph
 from tessera import Graph, datasets
-from tessera.dist.cover import min_vertex_cover
-from tessera.dist.plan import (
+from tessera.errors import ConfigError
+from tessera.graph.partition import load_part, partition, write_parts
+from tessera.graph.partition.cover import min_vertex_cover
+from tessera.graph.partition.halo import (
     MODES,
     build_plans,
     build_rank_plan,
     compare_modes,
-    mode_rows,
     pair_rows,
     plan_from_part,
 )
-from tessera.errors import ConfigError
-from tessera.graph.partition import load_part, partition, write_parts
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -160,7 +159,7 @@ def test_plans_on_synthetic_small(small, tmp_path_factory, mode, world):
     part = partition(small, world, "metis", cache_dir=tmp_path_factory.getbasetemp() / "cache")
     ip, ix = small.indptr.numpy(), small.indices.numpy()
     plans = check_plans(ip, ix, None, part, mode, world)
-    assert pair_rows(plans) == mode_rows(ip, ix, part, mode, world)
+    np.testing.assert_array_equal(np.stack([pl.send_counts for pl in plans]), pair_rows(ip, ix, part, world)[mode])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -200,25 +199,28 @@ def test_prepost_rows_equal_brute_force_cover():
         ip, ix = g.indptr.numpy(), g.indices.numpy()
         part = rng.integers(0, world, n)
         plans = check_plans(ip, ix, None, part, "prepost", world)
-        rows = pair_rows(plans)
-        pre, post = mode_rows(ip, ix, part, "pre", world), mode_rows(ip, ix, part, "post", world)
+        fast = pair_rows(ip, ix, part, world)
         gs, gd = g.src_index().numpy(), g.dst_index().numpy()
-        for (p, q), r in rows.items():
-            sel = (part[gs] == p) & (part[gd] == q)
-            expect = brute_cover_size(gs[sel], gd[sel]) if sel.any() else 0
-            assert r == expect, (trial, p, q)
-            assert r <= min(pre[(p, q)], post[(p, q)])
+        for pl in plans:
+            p = pl.rank
+            for q in range(world):
+                if q == p:
+                    continue
+                sel = (part[gs] == p) & (part[gd] == q)
+                expect = brute_cover_size(gs[sel], gd[sel]) if sel.any() else 0
+                assert pl.send_counts[q] == fast["prepost"][p, q] == expect, (trial, p, q)
+                assert expect <= min(fast["pre"][p, q], fast["post"][p, q])
 
 
 def test_prepost_never_worse_on_synthetic(small, tmp_path_factory):
     part = partition(small, 4, "metis", cache_dir=tmp_path_factory.getbasetemp() / "cache")
     ip, ix = small.indptr.numpy(), small.indices.numpy()
-    rows = {m: mode_rows(ip, ix, part, m) for m in MODES}
-    for pair, r in rows["prepost"].items():
-        assert r <= min(rows["pre"][pair], rows["post"][pair])
+    rows = {m: np.stack([pl.send_counts for pl in build_plans(ip, ix, None, part, m)]) for m in MODES}
+    assert np.all(rows["prepost"] <= np.minimum(rows["pre"], rows["post"]))
     cmp = compare_modes(ip, ix, part)
     assert cmp["prepost"]["total"] < min(cmp["pre"]["total"], cmp["post"]["total"])
-    assert cmp["prepost"]["total"] == sum(rows["prepost"].values())
+    for m in MODES:
+        assert cmp[m] == {"total": int(rows[m].sum()), "max_rank": int(rows[m].sum(axis=1).max())}
 
 
 def _same_plan(a, b) -> None:

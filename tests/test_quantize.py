@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from tessera import ops
-from tessera.dist import quantize, wire
-from tessera.dist.quantize import _hash_u32, decode, encode, layout
-from tessera.dist.wire import GROUP_ROWS, block_bytes, data_bytes, wire_bytes
-from tessera.ops.hashing import hash32 as _hash32
+from tessera.comm import quantize, wire
+from tessera.comm.quantize import _hash_u32, decode, encode, layout
+from tessera.comm.wire import GROUP_ROWS, block_bytes, data_bytes, wire_bytes
+from tessera.sparse.hashing import hash32 as _hash32
+from tessera.threads import set_num_threads
 
 BITS = (8, 4, 2)
 GROUPS = (1, 2, 4, 8)
@@ -200,12 +200,12 @@ def test_unbiased_over_seeds(bits):
     draws = 400
     acc = np.zeros(x.shape)
     before = torch.get_num_threads()
-    ops.set_num_threads(1)  # tiny calls: skip the parallel launches (results are thread-independent)
+    set_num_threads(1)  # tiny calls: skip the parallel launches (results are thread-independent)
     try:
         for seed in range(draws):
             acc += decode(encode(x, bits, seed), 11, bits, 4).numpy()
     finally:
-        ops.set_num_threads(before)
+        set_num_threads(before)
     scale, _ = params(encode(x, bits, 0), [4], 11, bits, GROUP_ROWS)
     s = scale[:, None].astype(np.float64)
     bound = 5 * s / (2 * math.sqrt(draws)) + 2e-4 * s + np.spacing(np.abs(x.numpy()))
@@ -306,14 +306,14 @@ def test_thread_count_independent(bits):
     splits = [700, 1, 0, 1300]
     before = torch.get_num_threads()
     try:
-        ops.set_num_threads(1)
+        set_num_threads(1)
         one = encode(x, bits, 77, splits=splits)
         d1 = decode(one, 29, bits, splits)
-        ops.set_num_threads(2)
+        set_num_threads(2)
         two = encode(x, bits, 77, splits=splits)
         d2 = decode(two, 29, bits, splits)
     finally:
-        ops.set_num_threads(before)
+        set_num_threads(before)
     assert torch.equal(one, two) and torch.equal(d1, d2)
 
 
@@ -389,7 +389,7 @@ def test_generic_target_writes_the_same_bytes():
     # (1 of these 38400) lands on the other side of a rounding boundary.
     code = (
         "import sys, torch\n"
-        "from tessera.dist import quantize\n"
+        "from tessera.comm import quantize\n"
         "assert not quantize._AVX512BW\n"
         "x = torch.randn(64, 200, generator=torch.Generator().manual_seed(5)) * 3\n"
         "bufs = [quantize.encode(x, b, 9, splits=[20, 44]) for b in (8, 4, 2)]\n"

@@ -7,15 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from tessera import ops
-from tessera.checkpoint import load_checkpoint
-from tessera.cli import main
-from tessera.config import TrainConfig
+from tessera import sparse
+from tessera.backends import ordering
+from tessera.cli.main import main
 from tessera.datasets import load
 from tessera.errors import ConfigError
 from tessera.graph import Graph
-from tessera.graph import reorder as ro
-from tessera.train import Trainer
+from tessera.graph import order as ro
+from tessera.train.checkpoint import load_checkpoint
+from tessera.train.config import TrainConfig
+from tessera.train.loop import Trainer
 
 ORDERS = ("none", "rcm", "metis", "degree")
 
@@ -85,11 +86,11 @@ def test_permute_aggregate_unpermute_is_exact(method):
     x = torch.randn(g.num_nodes, 6, dtype=torch.float64)
     w = g.edge_weight.double()
     for backend in ("reference", "csr"):
-        want = ops.aggregate(g, x, weight=w, backend=backend)
-        got = ops.aggregate(pg, order.to_new(x), weight=pg.edge_weight.double(), backend=backend)
+        want = sparse.aggregate(g, x, weight=w, backend=backend)
+        got = sparse.aggregate(pg, order.to_new(x), weight=pg.edge_weight.double(), backend=backend)
         torch.testing.assert_close(order.to_original(got), want, rtol=1e-12, atol=1e-12)
-        want_m = ops.aggregate(g, x, reduce="mean", backend=backend)
-        got_m = ops.aggregate(pg, order.to_new(x), reduce="mean", backend=backend)
+        want_m = sparse.aggregate(g, x, reduce="mean", backend=backend)
+        got_m = sparse.aggregate(pg, order.to_new(x), reduce="mean", backend=backend)
         torch.testing.assert_close(order.to_original(got_m), want_m, rtol=1e-12, atol=1e-12)
 
 
@@ -149,15 +150,15 @@ def test_orders_are_cached_on_disk_by_fingerprint(tmp_path, monkeypatch):
 
 def test_choose_order_margin_and_decision_cache(tmp_path, monkeypatch):
     g = load("synthetic:small")
-    assert ro.choose_order(g, 16, candidates=("rcm", "degree"), margin=0.99, reps=1) == "none"
-    pick = ro.choose_order(g, 32, candidates=("rcm", "degree"), margin=-100.0, reps=1)
+    assert ordering.choose_order(g, 16, candidates=("rcm", "degree"), margin=0.99, reps=1) == "none"
+    pick = ordering.choose_order(g, 32, candidates=("rcm", "degree"), margin=-100.0, reps=1)
     assert pick in ("rcm", "degree")
     files = list((tmp_path / "cache" / "orders").glob("choice-*.json"))
     assert len(files) == 2
     rec = json.loads(next(f for f in files if json.loads(f.read_text())["widths"] == [32]).read_text())
     assert rec["choice"] == pick and set(rec["times"]) == {"none", "rcm", "degree"}
-    monkeypatch.setattr(ro, "time_orders", lambda *a, **k: pytest.fail("measured again"))
-    assert ro.choose_order(load("synthetic:small"), 32, candidates=("rcm", "degree"), margin=-100.0) == pick
+    monkeypatch.setattr(ordering, "time_orders", lambda *a, **k: pytest.fail("measured again"))
+    assert ordering.choose_order(load("synthetic:small"), 32, candidates=("rcm", "degree"), margin=-100.0) == pick
 
 
 def test_choose_order_sums_the_widths_a_run_aggregates_at(monkeypatch):
@@ -174,19 +175,19 @@ def test_choose_order_sums_the_widths_a_run_aggregates_at(monkeypatch):
             for m in methods
         }
 
-    monkeypatch.setattr(ro, "time_orders", fake)
+    monkeypatch.setattr(ordering, "time_orders", fake)
     cands = ("rcm", "degree")
-    assert ro.choose_order(g, 64, candidates=cands, margin=0.0) == "degree"  # 3.9 < 4.0 < 4.2
-    assert ro.choose_order(g, [64, 16], candidates=cands, margin=0.0) == "rcm"  # 4.4 < 4.9 < 5.0
-    assert ro.choose_order(g, [64, 64, 16], candidates=cands, margin=0.05) == "none"  # 8.6 > 0.95 * 9
+    assert ordering.choose_order(g, 64, candidates=cands, margin=0.0) == "degree"  # 3.9 < 4.0 < 4.2
+    assert ordering.choose_order(g, [64, 16], candidates=cands, margin=0.0) == "rcm"  # 4.4 < 4.9 < 5.0
+    assert ordering.choose_order(g, [64, 64, 16], candidates=cands, margin=0.05) == "none"  # 8.6 > 0.95 * 9
     assert seen == [(64,), (16, 64), (16, 64, 64)]
     with pytest.raises(ConfigError):
-        ro.choose_order(g, [64, 0])
+        ordering.choose_order(g, [64, 0])
 
 
 def test_time_orders_reports_every_width_and_their_sum():
     g = load("synthetic:small")
-    res = ro.time_orders(g, (8, 16, 16), ("none", "degree"), backend="csr", reps=1)
+    res = ordering.time_orders(g, (8, 16, 16), ("none", "degree"), backend="csr", reps=1)
     for m in ("none", "degree"):
         by = res[m]["agg_by_width"]
         assert set(by) == {8, 16} and min(by.values()) > 0
@@ -195,9 +196,9 @@ def test_time_orders_reports_every_width_and_their_sum():
 
 def test_trainer_measures_orders_at_the_models_aggregation_widths(tmp_path, monkeypatch):
     g = load("synthetic:tiny")
-    monkeypatch.setattr(ro, "AUTO_MIN_NODES", 1)
+    monkeypatch.setattr(ordering, "AUTO_MIN_NODES", 1)
     asked = []
-    monkeypatch.setattr(ro, "choose_order", lambda graph, widths, backend: asked.append(list(widths)) or "none")
+    monkeypatch.setattr(ordering, "choose_order", lambda graph, widths, backend: asked.append(list(widths)) or "none")
     for model in ("gcn", "gin", "gat"):
         Trainer(_cfg(tmp_path, model, model=model, epochs=1, hidden=24, heads=4, reorder="auto"), g)
     f, c = g.x.shape[1], g.num_classes
@@ -205,15 +206,15 @@ def test_trainer_measures_orders_at_the_models_aggregation_widths(tmp_path, monk
 
 
 def test_auto_keeps_small_graphs_without_measuring(monkeypatch):
-    monkeypatch.setattr(ro, "choose_order", lambda *a, **k: pytest.fail("measured a small graph"))
+    monkeypatch.setattr(ordering, "choose_order", lambda *a, **k: pytest.fail("measured a small graph"))
     g = load("synthetic:small")
-    assert ro.resolve(g, "auto", 64) == "none"
-    assert ro.resolve(g, "rcm", 64) == "rcm"
+    assert ordering.resolve(g, "auto", 64) == "none"
+    assert ordering.resolve(g, "rcm", 64) == "rcm"
     with pytest.raises(ConfigError):
-        ro.resolve(g, "spectral", 64)
-    monkeypatch.setattr(ro, "AUTO_MIN_NODES", 100)
-    monkeypatch.setattr(ro, "choose_order", lambda *a, **k: "degree")
-    assert ro.resolve(g, "auto", 64) == "degree"
+        ordering.resolve(g, "spectral", 64)
+    monkeypatch.setattr(ordering, "AUTO_MIN_NODES", 100)
+    monkeypatch.setattr(ordering, "choose_order", lambda *a, **k: "degree")
+    assert ordering.resolve(g, "auto", 64) == "degree"
 
 
 # ---------------------------------------------------------------------------------------- trainer

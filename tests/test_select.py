@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from helpers import awkward_graph
-from tessera import ops
-from tessera.cli import main
+from tessera import sparse
+from tessera.backends import available_backends, select
+from tessera.cli.main import main
 from tessera.graph.synthetic import generate
-from tessera.ops import select
 
 
 @pytest.fixture
@@ -27,8 +27,8 @@ def test_auto_matches_reference_forward_and_backward(cache):
         for reduce in ("sum", "mean"):
             x1 = torch.randn(g.num_nodes, 7, requires_grad=True)
             x2 = x1.detach().clone().requires_grad_()
-            a = ops.aggregate(g, x1, reduce, weight, "auto")
-            b = ops.aggregate(g, x2, reduce, weight, "reference")
+            a = sparse.aggregate(g, x1, reduce, weight, "auto")
+            b = sparse.aggregate(g, x2, reduce, weight, "reference")
             # Relative to the output's scale: float32 sums in another order differ by rounding.
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
             a.square().sum().backward()
@@ -39,8 +39,8 @@ def test_auto_matches_reference_forward_and_backward(cache):
 def test_small_problems_use_the_cost_model_without_measuring(cache, monkeypatch):
     g = awkward_graph()
     monkeypatch.setattr(select, "measure", lambda *a, **k: pytest.fail("measured a tiny problem"))
-    name = select.choose(g, torch.randn(g.num_nodes, 4), None, "sum", "forward")
-    assert name in ops.available_backends()
+    name = select.choose(g, torch.randn(g.num_nodes, 4), None, "forward")
+    assert name in available_backends()
     assert not cache.exists()
 
 
@@ -57,27 +57,27 @@ def test_measured_choice_is_the_fastest_and_is_reused_from_disk(cache, monkeypat
 
     monkeypatch.setattr(select, "measure", spy)
     x = torch.randn(g.num_nodes, 32)
-    name = select.choose(g, x, None, "sum", "forward")
+    name = select.choose(g, x, None, "forward")
     assert len(seen) == 1 and name == min(seen[0], key=seen[0].get)
-    assert select.choose(g, x, None, "sum", "forward") == name and len(seen) == 1  # memo
+    assert select.choose(g, x, None, "forward") == name and len(seen) == 1  # memo
     stored = json.loads(cache.read_text())
-    key = select.decision_key(g, 32, "sum", False, 1, "forward")
+    key = select.decision_key(g, 32, False, 1, "forward")
     assert stored[key]["choice"] == name and set(stored[key]["seconds"]) == set(seen[0])
     # A fresh graph object with the same fingerprint reads the decision instead of measuring.
     again = generate("tiny", seed=0)
     monkeypatch.setattr(select, "measure", lambda *a, **k: pytest.fail("measured a cached decision"))
-    assert select.choose(again, x, None, "sum", "forward") == name
+    assert select.choose(again, x, None, "forward") == name
     # The backward direction, another width or another thread count is a different decision.
-    assert select.decision_key(g, 32, "sum", False, 1, "backward") != key
-    assert select.decision_key(g, 64, "sum", False, 1, "forward") != key
+    assert select.decision_key(g, 32, False, 1, "backward") != key
+    assert select.decision_key(g, 64, False, 1, "forward") != key
 
 
 def test_unreadable_cache_file_is_ignored(cache, monkeypatch):
     cache.write_text("{not json")
     g = generate("tiny", seed=0)
     monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)
-    name = select.choose(g, torch.randn(g.num_nodes, 8), None, "sum", "backward")
-    assert json.loads(cache.read_text())[select.decision_key(g, 8, "sum", False, 1, "backward")]["choice"] == name
+    name = select.choose(g, torch.randn(g.num_nodes, 8), None, "backward")
+    assert json.loads(cache.read_text())[select.decision_key(g, 8, False, 1, "backward")]["choice"] == name
 
 
 def test_kernels_command_reports_every_backend_and_the_choice(cache, capsys):
@@ -90,7 +90,7 @@ def test_kernels_command_reports_every_backend_and_the_choice(cache, capsys):
         (16, "backward"),
     ]
     for r in out["rows"]:
-        assert set(r["seconds"]) == set(ops.available_backends())
+        assert set(r["seconds"]) == set(available_backends())
         assert r["choice"] in r["seconds"] and all(v > 0 for v in r["gbps"].values())
     assert main(["kernels", "--dataset", "synthetic:tiny", "--width", "8", "--reps", "1"]) == 0
     text = capsys.readouterr().out
@@ -105,7 +105,7 @@ def test_kernels_command_choice_is_the_fastest_it_measured_and_is_stored(cache, 
     g = generate("tiny", seed=0)
     for r in rows:
         assert r["choice"] == min(r["seconds"], key=r["seconds"].get), r
-        key = select.decision_key(g, r["width"], "sum", False, 1, r["direction"])
+        key = select.decision_key(g, r["width"], False, 1, r["direction"])
         assert stored[key]["choice"] == r["choice"] and stored[key]["seconds"] == r["seconds"]
 
 
@@ -117,13 +117,13 @@ def test_kernels_command_bad_flags_are_one_line_errors(cache, capsys, argv):
 
 
 def test_cora_accuracy_does_not_depend_on_the_backend(planetoid_root, cache, monkeypatch, tmp_path):
-    from tessera.config import TrainConfig
-    from tessera.train import train
+    from tessera.train.config import TrainConfig
+    from tessera.train.loop import train
 
     monkeypatch.setenv("TESSERA_DATA", str(planetoid_root.parent))
     monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)  # auto measures even on Cora
     acc = {}
-    for backend in ["auto", *ops.available_backends()]:
+    for backend in ["auto", *available_backends()]:
         cfg = TrainConfig(
             dataset="cora", epochs=200, seed=0, backend=backend, out=str(tmp_path / backend), progress=False
         )
@@ -136,8 +136,8 @@ def test_cora_accuracy_does_not_depend_on_the_backend(planetoid_root, cache, mon
 def test_auto_sends_row_sparse_backward_gradients_to_the_live_row_csr_path(cache, monkeypatch):
     # The measured choice comes from dense inputs; a gradient that is zero off a few rows takes
     # the csr backend, which gathers only live rows, whatever was chosen; dense ones keep the choice.
-    from tessera.ops import sparsity
-    from tessera.ops.registry import get_backend
+    from tessera.backends.base import get_backend
+    from tessera.sparse import sparsity
 
     monkeypatch.setattr(sparsity, "MIN_ROWS", 0)
     monkeypatch.setattr(select, "choose", lambda *a, **k: "reference")
@@ -152,7 +152,7 @@ def test_auto_sends_row_sparse_backward_gradients_to_the_live_row_csr_path(cache
         x2 = x1.detach().clone().requires_grad_()
         grad = torch.randn(g.num_nodes, 5)
         grad[torch.rand(g.num_nodes) >= share] = 0
-        ops.aggregate(g, x1, "sum", None, "auto").backward(grad)
-        ops.aggregate(g, x2, "sum", None, "reference").backward(grad)
+        sparse.aggregate(g, x1, "sum", None, "auto").backward(grad)
+        sparse.aggregate(g, x2, "sum", None, "reference").backward(grad)
         assert calls == expect
         torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)

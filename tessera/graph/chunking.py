@@ -25,8 +25,8 @@ Algorithm 2, as implemented here (``k = ceil(rows / chunk_rows)`` chunks):
 Column compression (:func:`compress`) keeps, per chunk, the columns hit by at least
 ``min_col_density`` of the chunk's rows; a chunk whose kept block holds enough non-zeros becomes a
 dense block, every other edge (sparse columns, sparse chunks) is the *remainder*, left to a CSR
-kernel. The chunking depends on the structure only and is computed once per graph: in memory via
-``graph.cached`` and, optionally, on disk keyed by the graph's fingerprint.
+kernel. The chunking depends on the structure only: the backend that uses it keeps it per graph,
+and it can also be stored on disk keyed by the graph's fingerprint.
 """
 
 from __future__ import annotations
@@ -130,6 +130,7 @@ def _greedy(indptr, indices, tptr, tind, num_cols, chunk, hub_cap, src_cap):  # 
             assign[seeds[i]] = i
             size[i] = 1
     # Phase 2: each chunk takes the chunk - 1 unvisited rows sharing most in-neighbours with its seed.
+    # (Its counting loop has phase 1's shape over another set of sources: the seed's capped in-neighbours.)
     for i in range(k):
         s = seeds[i]
         if s < 0:
@@ -237,38 +238,35 @@ def _csr_arrays(graph, transposed: bool) -> tuple[np.ndarray, np.ndarray, np.nda
     return a[0], a[1], b[0], b[1]
 
 
-def graph_chunking(graph, chunk_rows: int | None = None, transposed: bool = False, disk_cache: bool | None = None):
+def locality_chunking(graph, chunk_rows: int | None = None, transposed: bool = False, disk_cache: bool | None = None):
     """The :class:`Chunking` of a graph's destination rows (of its transpose's rows when
-    ``transposed``), computed once and cached on the graph; with ``disk_cache`` (default: the
-    ``TESSERA_CHUNK_CACHE=1`` environment variable) also stored under the tessera cache directory
-    keyed by ``graph.fingerprint()``."""
+    ``transposed``); with ``disk_cache`` (default: the ``TESSERA_CHUNK_CACHE=1`` environment
+    variable) also stored under the tessera cache directory keyed by ``graph.fingerprint()``
+    (matrices without a fingerprint are not stored). Callers keep the result; this recomputes."""
     rows = chunk_rows or chunk_rows_for_cache()
+    use_disk = disk_cache if disk_cache is not None else os.environ.get("TESSERA_CHUNK_CACHE") == "1"
+    fingerprint = graph.fingerprint() if use_disk else None
+    path = None
+    if fingerprint is not None:
+        from tessera.files import default_cache_dir
 
-    def make() -> Chunking:
-        use_disk = disk_cache if disk_cache is not None else os.environ.get("TESSERA_CHUNK_CACHE") == "1"
-        path = None
-        if use_disk and hasattr(graph, "fingerprint"):
-            from tessera.graph.partition import default_cache_dir
-
-            path = default_cache_dir() / "chunks" / f"{graph.fingerprint()}-{rows}-{int(transposed)}.npz"
-            if path.exists():
-                try:
-                    with np.load(path) as z:
-                        return Chunking(z["order"], z["chunk_ptr"])
-                except (OSError, ValueError, KeyError):
-                    pass
-        ch = locality_chunks(*_csr_arrays(graph, transposed), rows)
-        if path is not None:
+        path = default_cache_dir() / "chunks" / f"{fingerprint}-{rows}-{int(transposed)}.npz"
+        if path.exists():
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-                np.savez(tmp, order=ch.order, chunk_ptr=ch.chunk_ptr)
-                os.replace(tmp, path)
-            except OSError:
+                with np.load(path) as z:
+                    return Chunking(z["order"], z["chunk_ptr"])
+            except (OSError, ValueError, KeyError):
                 pass
-        return ch
-
-    return graph.cached(("locality_chunks", rows, transposed), make)
+    ch = locality_chunks(*_csr_arrays(graph, transposed), rows)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+            np.savez(tmp, order=ch.order, chunk_ptr=ch.chunk_ptr)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return ch
 
 
 # ------------------------------------------------------------------------------ column compression

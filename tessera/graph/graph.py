@@ -11,31 +11,9 @@ import numpy as np
 import torch
 
 from tessera.errors import GraphError
+from tessera.graph.csr import CSRStructure, index_dtype
 
-_INT32_MAX = 2**31 - 1
 _MASKS = ("train_mask", "val_mask", "test_mask")
-
-
-@dataclass(frozen=True)
-class TransposedCSR:
-    """Source-major CSR of a graph: ``indices[indptr[j]:indptr[j+1]]`` are the out-neighbours of
-    ``j`` and ``perm`` maps each transposed position to its edge id in the destination-major CSR."""
-
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    perm: torch.Tensor
-
-
-class Memo:
-    """Per-object memoisation of derived structures (normalisation, transpose, plans) in ``_cache``."""
-
-    _cache: dict
-
-    def cached(self, key: object, make):
-        """Return the structure stored under ``key``, computing it with ``make()`` the first time."""
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
 
 
 def _as_tensor(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -48,13 +26,8 @@ def _as_tensor(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t.contiguous()
 
 
-def index_dtype(num_nodes: int, num_edges: int) -> torch.dtype:
-    """int32 when every vertex id and edge offset fits, else int64."""
-    return torch.int32 if max(num_nodes, num_edges) <= _INT32_MAX else torch.int64
-
-
 @dataclass(eq=False)
-class Graph(Memo):
+class Graph(CSRStructure):
     """A graph as destination-major CSR plus optional node and edge data.
 
     ``indices[indptr[i]:indptr[i+1]]`` are the in-neighbours (message sources) of vertex ``i``,
@@ -75,7 +48,7 @@ class Graph(Memo):
     test_mask: torch.Tensor | None = None
     num_classes: int | None = None
     name: str = "graph"
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _structure: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.num_nodes = int(self.num_nodes)
@@ -230,16 +203,11 @@ class Graph(Memo):
 
     def replace(self, **changes: Any) -> Graph:
         """A validated copy with some fields replaced (derived caches are not carried over)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_cache"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_structure"}
         fields.update(changes)
         return Graph(**fields)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def num_edges(self) -> int:
-        """Number of stored directed edges (CSR entries)."""
-        return int(self.indices.numel())
-
     @property
     def num_rows(self) -> int:
         """Rows of the adjacency (destinations): ``num_nodes``."""
@@ -255,44 +223,9 @@ class Graph(Memo):
         """Width of the node features (0 without features)."""
         return 0 if self.x is None else int(self.x.shape[1])
 
-    def dst_index(self) -> torch.Tensor:
-        """The destination vertex of every edge, int64, in CSR order."""
-        return self.cached(
-            "dst",
-            lambda: torch.repeat_interleave(
-                torch.arange(self.num_nodes), (self.indptr[1:] - self.indptr[:-1]).to(torch.int64)
-            ),
-        )
-
-    def src_index(self) -> torch.Tensor:
-        """The source vertex of every edge, int64, in CSR order."""
-        return self.cached("src", lambda: self.indices.to(torch.int64))
-
     def edge_index(self) -> torch.Tensor:
         """COO ``(2, E)`` int64 edge index in PyG's (source, destination) convention."""
         return torch.stack([self.src_index(), self.dst_index()])
-
-    def in_degree(self) -> torch.Tensor:
-        """Number of in-edges of each vertex (int64)."""
-        return self.cached("indeg", lambda: (self.indptr[1:] - self.indptr[:-1]).to(torch.int64))
-
-    def out_degree(self) -> torch.Tensor:
-        """Number of out-edges of each vertex (int64)."""
-        return self.cached("outdeg", lambda: torch.bincount(self.src_index(), minlength=self.num_nodes))
-
-    def transpose(self) -> TransposedCSR:
-        """Source-major CSR (cached), used by backward passes to scatter without atomics."""
-
-        def make() -> TransposedCSR:
-            src = self.src_index()
-            n = self.num_nodes
-            perm = torch.argsort(src * max(n, 1) + self.dst_index(), stable=True)
-            indptr = torch.zeros(n + 1, dtype=torch.int64)
-            indptr[1:] = torch.cumsum(self.out_degree(), 0)
-            idt = self.indptr.dtype
-            return TransposedCSR(indptr.to(idt), self.dst_index()[perm].to(idt), perm.to(idt))
-
-        return self.cached("transpose", make)
 
     def fingerprint(self) -> str:
         """Stable hex digest of structure, edge data and node-data shapes, for on-disk caches."""
@@ -306,7 +239,7 @@ class Graph(Memo):
                 )
             return h.hexdigest()
 
-        return self.cached("fingerprint", make)
+        return self._derived("fingerprint", make)
 
     # ------------------------------------------------------------------ transformations
     def _rebuild(self, src: torch.Tensor, dst: torch.Tensor, weight, etype) -> Graph:

@@ -40,48 +40,17 @@ class SyntheticSpec:
     name: str = "custom"
 
 
+# Positional fields: vertices, undirected edges, features, classes, degree exponent, max degree,
+# homophily, feature signal.
 PRESETS: dict[str, SyntheticSpec] = {
-    "tiny": SyntheticSpec(
-        200, 800, 16, 4, exponent=2.5, max_degree=40, homophily=0.8, feature_signal=0.3, per_class=(10, 10), name="tiny"
-    ),
-    "small": SyntheticSpec(
-        10_000,
-        50_000,
-        64,
-        8,
-        exponent=2.3,
-        max_degree=500,
-        homophily=0.75,
-        feature_signal=0.2,
-        per_class=(50, 100),
-        name="small",
-    ),
-    "arxiv": SyntheticSpec(
-        169_343, 1_157_799, 128, 40, exponent=2.2, max_degree=3000, homophily=0.65, feature_signal=0.17, name="arxiv"
-    ),
+    "tiny": SyntheticSpec(200, 800, 16, 4, 2.5, 40, 0.8, 0.3, per_class=(10, 10), name="tiny"),
+    "small": SyntheticSpec(10_000, 50_000, 64, 8, 2.3, 500, 0.75, 0.2, per_class=(50, 100), name="small"),
+    "arxiv": SyntheticSpec(169_343, 1_157_799, 128, 40, 2.2, 3000, 0.65, 0.17, name="arxiv"),
     "products": SyntheticSpec(
-        500_000,
-        12_000_000,
-        100,
-        47,
-        exponent=2.3,
-        max_degree=8000,
-        homophily=0.8,
-        feature_signal=0.24,
-        split=(0.08, 0.02, 0.90),
-        name="products",
+        500_000, 12_000_000, 100, 47, 2.3, 8000, 0.8, 0.24, split=(0.08, 0.02, 0.90), name="products"
     ),
     "reddit": SyntheticSpec(
-        100_000,
-        10_000_000,
-        602,
-        41,
-        exponent=2.5,
-        max_degree=2000,
-        homophily=0.75,
-        feature_signal=0.09,
-        split=(0.66, 0.10, 0.24),
-        name="reddit",
+        100_000, 10_000_000, 602, 41, 2.5, 2000, 0.75, 0.09, split=(0.66, 0.10, 0.24), name="reddit"
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Layers and models written against ``tessera.ops``."""
+"""Layers and models written against ``tessera.sparse``."""
 
 from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
 from tessera.nn.models import GNN, MODELS, build_model

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import ops
+from tessera import sparse
 from tessera.errors import ConfigError
-from tessera.graph import Graph
 from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
+from tessera.nn.conv.base import GraphConv, SSpmmHints
 from tessera.nn.linear import Linear
-from tessera.ops.dropout import dropout_with_mask
-from tessera.ops.masked import dropout_mask
-
-MODELS = ("gcn", "sage", "gin", "gat")
+from tessera.sparse import GraphOperand, LayerSpec
+from tessera.sparse.dropout import dropout_with_mask
+from tessera.sparse.masked import dropout_mask
 
 
 class GNN(nn.Module):
@@ -23,7 +24,7 @@ class GNN(nn.Module):
 
     def __init__(
         self,
-        convs: list[nn.Module],
+        convs: list[GraphConv],
         dropout: float,
         activation: str = "relu",
         norms: list[nn.Module] | None = None,
@@ -39,7 +40,7 @@ class GNN(nn.Module):
         # jemalloc: 3-layer GCN step 836 vs 599 ms, GIN 810 vs 792 ms; benchmarks/RESULTS.md).
         self.s_spmm = s_spmm
         self.act = F.elu if activation == "elu" else F.relu
-        in_dim = getattr(convs[0], "in_channels", None) or convs[0].nn[0].in_features
+        in_dim = convs[0].describe().in_width
         self.label_emb = nn.Embedding(label_classes, in_dim) if label_classes else None
         if self.label_emb is not None:
             nn.init.zeros_(self.label_emb.weight)
@@ -53,15 +54,23 @@ class GNN(nn.Module):
         if self.label_emb is not None:
             nn.init.zeros_(self.label_emb.weight)
 
+    def describe(self) -> list[LayerSpec]:
+        """Each layer's :class:`LayerSpec`, in order."""
+        return [conv.describe() for conv in self.convs]
+
     def forward(
         self,
         x: torch.Tensor,
-        graph: Graph,
+        graph: GraphOperand | Sequence[GraphOperand],
         label_rows: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits for every vertex of ``graph`` from features ``x``; with label propagation the
-        embedded ``labels`` are added to the input features of ``label_rows``."""
+        """Logits for every vertex from features ``x``; ``graph`` is one operand for every layer or
+        a sequence of one per layer (a strategy may give each layer its own). With label
+        propagation the embedded ``labels`` are added to the input features of ``label_rows``."""
+        operands = list(graph) if isinstance(graph, Sequence) else [graph] * len(self.convs)
+        if len(operands) != len(self.convs):
+            raise ValueError(f"{len(operands)} operands for {len(self.convs)} layers")
         if self.label_emb is not None and label_rows is not None:
             # Even with no rows drawn, the input then requires grad on every rank, so all ranks
             # enter the same backward exchanges.
@@ -70,45 +79,69 @@ class GNN(nn.Module):
         # is drawn first and only the kept outputs are aggregated; a layer that aggregates its
         # input first computes only the input-gradient entries ReLU and dropout let through.
         # Same random draws in the same order, so the same values as the plain composition.
-        fuse = (
-            self.s_spmm
-            and self.training
-            and 0.0 < self.dropout < 1.0
-            and self.norms is None
-            and not _distributed(graph)
-        )
+        fuse = self.s_spmm and self.training and 0.0 < self.dropout < 1.0 and self.norms is None
         keep = None
         last = len(self.convs) - 1
         for i, conv in enumerate(self.convs):
             if self.norms is not None:
                 x = self.norms[i](x)
             x = (
-                ops.dropout(x, self.dropout, self.training)
+                sparse.dropout(x, self.dropout, self.training)
                 if keep is None
                 else dropout_with_mask(x, keep, self.dropout)
             )
-            uses_in, uses_out = conv.s_spmm_sides() if fuse and hasattr(conv, "s_spmm_sides") else (False, False)
-            hints = {}
-            if uses_in and i > 0 and self.act is F.relu and x.requires_grad:
-                hints["input_grad_mask"] = x != 0
+            uses_in, uses_out = conv.s_spmm_sides() if fuse else (False, False)
+            grad_mask = x != 0 if uses_in and i > 0 and self.act is F.relu and x.requires_grad else None
             keep = None
             if uses_out and i < last:
-                keep = dropout_mask((graph.num_nodes, conv.out_channels), self.dropout)
-                hints["output_mask"] = keep
-            x = conv(x, graph, **hints)
+                keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout)
+            x = conv(x, operands[i], SSpmmHints(grad_mask, keep))
             if i < last:
                 x = self.act(x)
         return x
-
-
-def _distributed(graph) -> bool:
-    return hasattr(graph, "distributed_aggregate")
 
 
 def _gin_mlp(i: int, o: int, hidden: int) -> nn.Module:
     return nn.Sequential(
         Linear(i, hidden), nn.ReLU(inplace=True), Linear(hidden, o)
     )  # in place: Linear saves only its input
+
+
+def _gcn(a: int, b: int, last: bool, o: dict) -> GraphConv:
+    return GCNConv(a, b, backend=o["backend"])
+
+
+def _sage(a: int, b: int, last: bool, o: dict) -> GraphConv:
+    return SAGEConv(a, b, backend=o["backend"])
+
+
+def _gin(a: int, b: int, last: bool, o: dict) -> GraphConv:
+    return GINConv(_gin_mlp(a, b, o["hidden"]), train_eps=o["train_eps"], backend=o["backend"])
+
+
+def _gat(a: int, b: int, last: bool, o: dict) -> GraphConv:
+    heads = o["heads"]
+    if o["hidden"] % heads:
+        raise ConfigError(f"GAT hidden width {o['hidden']} must be divisible by --heads {heads}")
+    return GATConv(
+        a,
+        b if last else o["hidden"] // heads,
+        heads=1 if last else heads,
+        concat=not last,
+        dropout=o["attn_dropout"],
+        backend=o["backend"],
+    )
+
+
+# name -> (builder of layer i from (in width, out width, is last, options), activation between layers)
+LayerBuilder = Callable[[int, int, bool, dict], GraphConv]
+REGISTRY: dict[str, tuple[LayerBuilder, str]] = {
+    "gcn": (_gcn, "relu"),
+    "sage": (_sage, "relu"),
+    "gin": (_gin, "relu"),
+    "gat": (_gat, "elu"),
+}
+MODELS = tuple(REGISTRY)
 
 
 def build_model(
@@ -134,61 +167,23 @@ def build_model(
     LayerNorm before each layer; ``label_classes > 0`` adds a label embedding for label propagation;
     ``s_spmm=True`` uses masked aggregation (S-SpMM) where dropout and ReLU masks allow it."""
     name = name.lower()
-    if name not in MODELS:
+    if name not in REGISTRY:
         raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if num_layers < 1:
         raise ConfigError(f"--layers must be at least 1, got {num_layers}")
     if hidden < 1 or in_dim < 1 or out_dim < 1:
         raise ConfigError(f"layer widths must be positive (in {in_dim}, hidden {hidden}, out {out_dim})")
     dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
-    convs: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
-        last = i == num_layers - 1
-        if name == "gcn":
-            convs.append(GCNConv(a, b, backend=backend))
-        elif name == "sage":
-            convs.append(SAGEConv(a, b, backend=backend))
-        elif name == "gin":
-            convs.append(GINConv(_gin_mlp(a, b, hidden), train_eps=train_eps, backend=backend))
-        else:
-            if hidden % heads:
-                raise ConfigError(f"GAT hidden width {hidden} must be divisible by --heads {heads}")
-            h = 1 if last else heads
-            convs.append(
-                GATConv(
-                    a,
-                    b if last else hidden // heads,
-                    heads=h,
-                    concat=not last,
-                    dropout=dropout if attn_dropout is None else attn_dropout,
-                    backend=backend,
-                )
-            )
+    build, act = REGISTRY[name]
+    options = {
+        "backend": backend,
+        "hidden": hidden,
+        "heads": heads,
+        "train_eps": train_eps,
+        "attn_dropout": dropout if attn_dropout is None else attn_dropout,
+    }
+    convs = [build(a, b, i == num_layers - 1, options) for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))]
     if norm not in ("none", "layer"):
         raise ConfigError(f"unknown norm {norm!r}; choose none or layer")
     norms = [nn.LayerNorm(d) for d in dims[:-1]] if norm == "layer" else None
-    act = "elu" if name == "gat" else "relu"
     return GNN(convs, dropout, activation=act, norms=norms, label_classes=label_classes, s_spmm=s_spmm)
-
-
-def exchange_widths(name: str, in_dim: int, hidden: int, out_dim: int, num_layers: int = 2) -> list[int]:
-    """Width of the features each layer aggregates (and so exchanges between ranks): GCN and SAGE
-    aggregate the narrower side of their linear map (``linear_then_aggregate``), GIN its input."""
-    dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
-    name = name.lower()
-    if name == "gin":
-        return dims[:-1]
-    if name in ("gcn", "sage"):
-        return [b if b <= a else a for a, b in zip(dims[:-1], dims[1:])]
-    raise ConfigError(f"exchange widths are defined for gcn, sage and gin, not {name!r}")
-
-
-def aggregation_widths(name: str, in_dim: int, hidden: int, out_dim: int, num_layers: int = 2) -> list[int]:
-    """Width of the features each layer of :func:`build_model` aggregates: as
-    :func:`exchange_widths` for GCN, SAGE and GIN; GAT aggregates its transformed features
-    (``hidden`` wide, then ``out_dim`` in the one-head output layer)."""
-    if name.lower() not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    if name.lower() == "gat":
-        return [hidden] * (num_layers - 1) + [out_dim]
-    return exchange_widths(name, in_dim, hidden, out_dim, num_layers)

@@ -118,6 +118,15 @@ def default_split(y: torch.Tensor, num_classes: int, seed: int) -> dict[str, tor
     return dict(zip(MASKS, stratified_split(y, num_classes, 20, 30, seed), strict=True))
 
 
+def label_data(y: np.ndarray, masks: dict[str, torch.Tensor] | None, seed: int) -> dict[str, Any]:
+    """Node data of labels ``y``: ``y``, ``num_classes`` and the split, either the stored ``masks``
+    without unlabelled vertices or, where ``masks`` is None, the seeded :func:`default_split`."""
+    yt = torch.from_numpy(y)
+    c = num_classes_of(yt)
+    split = labelled_only(masks, yt)[0] if masks is not None else default_split(yt, c, seed)
+    return {"y": yt, "num_classes": c, **split}
+
+
 def load_npy(path: Path, what: str) -> np.ndarray:
     """``np.load`` with ``allow_pickle=False``; every failure becomes a DatasetError."""
     try:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tessera.errors import DatasetError
-from tessera.graph.formats._common import default_split, labels_from_array, load_npy, num_classes_of
+from tessera.graph.formats._common import label_data, labels_from_array, load_npy
 from tessera.graph.formats._text import parse_columns, parse_numbers
 from tessera.graph.graph import Graph
 
@@ -87,9 +87,7 @@ def load_edgelist(
     if x is not None:
         node_data["x"] = torch.from_numpy(x.astype(np.float32))
     if y is not None:
-        yt = torch.from_numpy(y)
-        c = num_classes_of(yt)
-        node_data.update(y=yt, num_classes=c, **default_split(yt, c, seed))
+        node_data.update(label_data(y, None, seed))
     g = Graph.from_edge_index(
         torch.from_numpy(np.ascontiguousarray(ids.T)),
         n,

@@ -10,14 +10,8 @@ import numpy as np
 import torch
 
 from tessera.errors import DatasetError
-from tessera.graph.formats._common import (
-    default_split,
-    edges_to_graph,
-    index_mask,
-    labelled_only,
-    labels_from_array,
-    num_classes_of,
-)
+from tessera.graph.csr import rows_of
+from tessera.graph.formats._common import edges_to_graph, index_mask, label_data, labels_from_array
 from tessera.graph.graph import Graph
 
 # Accepted spellings of a stored split, per mask: index arrays first, then boolean masks.
@@ -92,9 +86,6 @@ def load_npz(path: str | Path, *, seed: int = 0, undirected: bool = True, name: 
             y = labels_from_array(_get(f, "labels", path), f"{path} (labels)")
             if y.shape[0] != n:
                 raise DatasetError(f"{path}: {y.shape[0]} labels for {n} vertices")
-            yt = torch.from_numpy(y)
-            c = num_classes_of(yt)
-            node_data.update(y=yt, num_classes=c)
             masks = {}
             for mask, keys in _SPLIT_KEYS.items():
                 key = next((k for k in keys if k in f.files), None)
@@ -107,8 +98,9 @@ def load_npz(path: str | Path, *, seed: int = 0, undirected: bool = True, name: 
                     )
                     if masks[mask].shape != (n,):
                         raise DatasetError(f"{path}: {key} has shape {tuple(arr.shape)}, expected ({n},)")
-            node_data.update(labelled_only(masks, yt)[0] if masks else default_split(yt, c, seed))
+            node_data.update(label_data(y, masks or None, seed))
         elif any(k in f.files for keys in _SPLIT_KEYS.values() for k in keys):
             raise DatasetError(f"{path} has a split but no labels")
-    rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(indptr))
-    return edges_to_graph(rows, cols, n, source=str(path), undirected=undirected, drop_self_loops=True, **node_data)
+    return edges_to_graph(
+        rows_of(indptr), cols, n, source=str(path), undirected=undirected, drop_self_loops=True, **node_data
+    )

@@ -8,15 +8,7 @@ import numpy as np
 import torch
 
 from tessera.errors import DatasetError
-from tessera.graph.formats._common import (
-    MASKS,
-    default_split,
-    edges_to_graph,
-    index_mask,
-    labelled_only,
-    labels_from_array,
-    num_classes_of,
-)
+from tessera.graph.formats._common import MASKS, edges_to_graph, index_mask, label_data, labels_from_array
 from tessera.graph.formats._text import parse_csv, read_gzip
 from tessera.graph.graph import Graph
 
@@ -82,17 +74,14 @@ def load_ogb(
     if x is not None:
         node_data["x"] = torch.from_numpy(x)
     if y is not None:
-        yt = torch.from_numpy(y)
-        node_data.update(y=yt, num_classes=num_classes_of(yt))
         split_dir = _split_dir(root, split)
+        masks = None
         if split_dir is not None:
             masks = {}
             for key, stem in _SPLIT_FILES.items():
                 f = split_dir / f"{stem}.csv.gz"
                 if f.is_file():
                     masks[key] = index_mask(_table(f, np.int64, 1), n, str(f))
-            node_data.update(labelled_only(masks, yt)[0])
-        else:
-            node_data.update(default_split(yt, node_data["num_classes"], seed))
+        node_data.update(label_data(y, masks, seed))
     source = str(raw / "edge.csv.gz")
     return edges_to_graph(edges[:, 0], edges[:, 1], n, source=source, undirected=undirected, bound=bound, **node_data)

@@ -6,8 +6,9 @@ import math
 
 import torch
 
-from tessera import ops
-from tessera.graph import Graph
+from tessera import sparse
+from tessera.nn.conv.base import SSpmmHints
+from tessera.sparse import LayerSpec, Operand
 
 
 def glorot_(t: torch.Tensor) -> torch.Tensor:
@@ -18,31 +19,28 @@ def glorot_(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear_then_aggregate(
-    graph: Graph,
-    x: torch.Tensor,
-    lin: torch.nn.Linear,
-    reduce: str = "sum",
-    weight: torch.Tensor | None = None,
-    backend: str = "auto",
-    *,
-    input_grad_mask: torch.Tensor | None = None,
-    output_mask: torch.Tensor | None = None,
+    a: Operand, x: torch.Tensor, lin: torch.nn.Linear, reduce: str = "sum", hints: SSpmmHints | None = None
 ) -> torch.Tensor:
     """``A (x W^T)`` or ``(A x) W^T``, whichever aggregates the narrower matrix (same result;
     WiseGraph's indexing swap). ``lin`` must have no bias; callers add it after aggregation.
-
-    S-SpMM hints (MixGCN §3.2.1), used by the side that aggregates: ``output_mask`` when the
-    aggregation comes last (only kept outputs are computed, dropped ones are zero: the caller
-    applies that dropout mask after this layer), ``input_grad_mask`` when it comes first (only the
-    kept entries of ``x``'s gradient are computed)."""
+    Of the S-SpMM ``hints``, the side that aggregates uses its own (see :class:`SSpmmHints`)."""
+    hints = hints or SSpmmHints()
     if aggregates_output(lin):
         xw = lin(x)
-        if output_mask is not None:
-            return ops.masked_aggregate(graph, xw, output_mask, reduce, weight, backend=backend)
-        return ops.aggregate(graph, xw, reduce, weight, backend)
-    return lin(ops.aggregate(graph, x, reduce, weight, backend, grad_mask=input_grad_mask))
+        if hints.output_mask is not None:
+            return sparse.masked_aggregate(a, xw, hints.output_mask, reduce)
+        return sparse.aggregate(a, xw, reduce)
+    return lin(sparse.aggregate(a, x, reduce, grad_mask=hints.input_grad_mask))
 
 
 def aggregates_output(lin: torch.nn.Linear) -> bool:
     """Whether :func:`linear_then_aggregate` aggregates after the linear map (the output is narrower)."""
     return lin.out_features <= lin.in_features
+
+
+def linear_spec(lin: torch.nn.Linear) -> LayerSpec:
+    """The :class:`LayerSpec` of a layer built on :func:`linear_then_aggregate`."""
+    last = aggregates_output(lin)
+    return LayerSpec(
+        lin.in_features, lin.out_features, lin.out_features if last else lin.in_features, aggregates_first=not last
+    )

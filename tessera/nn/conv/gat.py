@@ -5,18 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera import ops
-from tessera.graph import Graph
+from tessera import sparse
 from tessera.nn.conv._util import glorot_
+from tessera.nn.conv.base import GraphConv, SSpmmHints
 from tessera.nn.linear import Linear
+from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
 
-def _with_self_loops(graph: Graph) -> Graph:
-    # PyG removes then re-adds self loops; edge weights play no part in GAT.
-    return graph.cached("gat_loops", lambda: graph.replace(edge_weight=None, edge_type=None).add_self_loops())
-
-
-class GATConv(nn.Module):
+class GATConv(GraphConv):
     """Multi-head attention ``x'_i = sum_j alpha_ij W x_j`` with
     ``alpha_ij = softmax_j(LeakyReLU(a_src . W x_j + a_dst . W x_i))`` (PyG ``GATConv``)."""
 
@@ -54,17 +50,23 @@ class GATConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, graph: Graph) -> torch.Tensor:
-        """Apply attention to node features ``x`` of shape ``(N, in_channels)``."""
-        g = _with_self_loops(graph) if self.add_self_loops else graph
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
+        """Apply attention to node features ``x`` of shape ``(N, in_channels)`` (no S-SpMM hint applies)."""
+        # PyG removes then re-adds self loops; edge weights play no part in GAT.
+        a = as_operand(graph, self.backend)
+        a = a.with_self_loops() if self.add_self_loops else a.pattern()
         h = self.lin(x).view(-1, self.heads, self.out_channels)
         a_src = (h * self.att_src).sum(-1)
         a_dst = (h * self.att_dst).sum(-1)
         # Fused score, LeakyReLU and per-destination softmax: O(E x heads) memory, no E x F tensor.
-        alpha = ops.dropout(ops.gat_attention(g, a_src, a_dst, self.negative_slope), self.dropout, self.training)
-        out = ops.aggregate(g, h, "sum", alpha, self.backend)
+        alpha = sparse.gat_attention(a.edge_structure(), a_src, a_dst, self.negative_slope)
+        out = sparse.aggregate(a, h, "sum", sparse.dropout(alpha, self.dropout, self.training))
         out = out.reshape(-1, self.heads * self.out_channels) if self.concat else out.mean(1)
         return out if self.bias is None else out + self.bias
+
+    def describe(self) -> LayerSpec:
+        width = self.heads * self.out_channels
+        return LayerSpec(self.in_channels, width if self.concat else self.out_channels, width, False, True)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, heads={self.heads}"

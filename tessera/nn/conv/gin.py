@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from tessera import ops
-from tessera.graph import Graph
+from tessera import sparse
+from tessera.nn.conv.base import GraphConv, SSpmmHints
+from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
 
-class GINConv(nn.Module):
+class GINConv(GraphConv):
     """``x'_i = nn((1 + eps) x_i + sum_{j in N(i)} x_j)`` (PyG ``GINConv``)."""
 
     def __init__(self, nn: torch.nn.Module, eps: float = 0.0, train_eps: bool = False, backend: str = "auto") -> None:
@@ -27,18 +27,21 @@ class GINConv(nn.Module):
                 m.reset_parameters()
         self.eps.data.fill_(self.initial_eps)
 
-    def forward(self, x: torch.Tensor, graph: Graph, *, input_grad_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Apply the convolution to node features ``x``; ``input_grad_mask`` is an S-SpMM hint
-        for the backward aggregation (see :func:`tessera.ops.aggregate`)."""
-        out = ops.aggregate(graph, x, "sum", None, self.backend, grad_mask=input_grad_mask)
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
+        """Apply the convolution to node features ``x`` (of the hints, ``input_grad_mask``)."""
+        grad_mask = None if hints is None else hints.input_grad_mask
+        out = sparse.aggregate(as_operand(graph, self.backend).pattern(), x, "sum", grad_mask=grad_mask)
         if isinstance(self.eps, torch.nn.Parameter):
             out = out + (1 + self.eps) * x
         else:  # in place on the fresh aggregate (which nothing saved): no N x F temporaries
             out = out.add_(x, alpha=1.0 + float(self.eps))
         return self.nn(out)
 
+    def describe(self) -> LayerSpec:
+        linears = [m for m in self.nn.modules() if isinstance(m, torch.nn.Linear)]
+        return LayerSpec(linears[0].in_features, linears[-1].out_features, linears[0].in_features, True)
+
     def s_spmm_sides(self) -> tuple[bool, bool]:
-        """Which S-SpMM hint this layer uses: (``input_grad_mask``, ``output_mask``)."""
         return True, False
 
     def extra_repr(self) -> str:

@@ -6,13 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import ops
-from tessera.graph import Graph
-from tessera.nn.conv._util import aggregates_output, linear_then_aggregate
+from tessera import sparse
+from tessera.nn.conv._util import aggregates_output, linear_spec, linear_then_aggregate
+from tessera.nn.conv.base import GraphConv, SSpmmHints
 from tessera.nn.linear import Linear
+from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
 
-class SAGEConv(nn.Module):
+class SAGEConv(GraphConv):
     """``x'_i = W_l * reduce_{j in N(i)} x_j + b + W_r x_i`` (PyG ``SAGEConv``)."""
 
     def __init__(
@@ -37,27 +38,10 @@ class SAGEConv(nn.Module):
         if self.lin_r is not None:
             self.lin_r.reset_parameters()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        graph: Graph,
-        *,
-        input_grad_mask: torch.Tensor | None = None,
-        output_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``; the masks are
-        S-SpMM hints (see :func:`tessera.nn.conv._util.linear_then_aggregate`)."""
-        lin_nobias = _WeightOnly(self.lin_l)
-        out = linear_then_aggregate(
-            graph,
-            x,
-            lin_nobias,
-            self.aggr,
-            None,
-            self.backend,
-            input_grad_mask=input_grad_mask,
-            output_mask=output_mask,
-        )
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
+        """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
+        a = as_operand(graph, self.backend).pattern()
+        out = linear_then_aggregate(a, x, _WeightOnly(self.lin_l), self.aggr, hints)
         if self.lin_l.bias is not None:
             out = out + self.lin_l.bias
         if self.lin_r is not None:
@@ -66,9 +50,11 @@ class SAGEConv(nn.Module):
             out = F.normalize(out, p=2.0, dim=-1)
         return out
 
+    def describe(self) -> LayerSpec:
+        return linear_spec(self.lin_l)
+
     def s_spmm_sides(self) -> tuple[bool, bool]:
-        """Which S-SpMM hint this layer uses: (``input_grad_mask``, ``output_mask``); none after
-        ``normalize``, which mixes a row's entries."""
+        """No output mask after ``normalize``, which mixes a row's entries."""
         last = aggregates_output(self.lin_l)
         return not last, last and not self.normalize
 
@@ -84,4 +70,4 @@ class _WeightOnly(nn.Module):
         self.weight, self.in_features, self.out_features = lin.weight, lin.in_features, lin.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        return sparse.linear(x, self.weight)

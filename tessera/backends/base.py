@@ -1,0 +1,118 @@
+"""What an aggregation backend is: one class per file with declared capabilities, and the registry
+``backend="name"`` is looked up in. Every backend computes the same weighted sums over the entries
+of a CSR (a :class:`~tessera.graph.Graph` or a :class:`~tessera.graph.csr.CSRMatrix`); mean
+scaling and autograd live in :mod:`tessera.sparse`."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from tessera.errors import ConfigError
+from tessera.graph.csr import CSRStructure
+from tessera.memo import PlanCache
+
+
+def traffic_bytes(matrix: CSRStructure, width: int, weighted: bool, transposed: bool = False) -> int:
+    """Bytes a row-wise SpMM moves when every gathered row comes from memory: the CSR arrays,
+    one ``width``-float row per non-zero, and each output row written once (float32)."""
+    rows = matrix.num_cols if transposed else matrix.num_rows
+    nnz = matrix.num_edges
+    index = matrix.indices.element_size()
+    return (rows + 1) * matrix.indptr.element_size() + nnz * (index + (4 if weighted else 0)) + 4 * width * (nnz + rows)
+
+
+# Bytes per second of the csr kernel on gathered rows (efficiency 1.0): 17 GB/s measured on one
+# thread for a 675 x 2708 Cora block at width 1433 (one rank of four); the per-call overheads of
+# the backends were measured on the same blocks at widths 7 and 16 (12-17 us reference, 24-40 us
+# csr and dense_block). With them tiny per-rank products go to the reference backend and wide
+# or large ones to csr, as those measurements do.
+REFERENCE_BANDWIDTH = 17e9
+
+
+class Backend(ABC):
+    """An aggregation kernel set. ``x`` is ``(num_cols, F)`` or ``(num_cols, H, F)``; ``weight`` is
+    ``None`` (all ones), ``(E,)`` or ``(E, H)`` in the CSR's entry order. A backend keeps whatever
+    it derives from a matrix (work splits, block plans) in its own :attr:`plans`."""
+
+    name: ClassVar[str]
+    #: computes :meth:`masked_spmm` by skipping masked outputs (S-SpMM) rather than masking afterwards
+    masked: ClassVar[bool] = False
+    #: :meth:`spmm_t` gathers only the live rows of a gradient that is zero in most rows
+    row_sparse_t: ClassVar[bool] = False
+    #: effective bandwidth relative to the csr kernel, for :meth:`cost` (bench_kernels.py, arxiv, width 128)
+    efficiency: ClassVar[float] = 0.5
+    #: fixed seconds per call (launch, thread-pool hand-off, planning lookups), for :meth:`cost`
+    call_overhead_s: ClassVar[float] = 0.0
+
+    def __init__(self) -> None:
+        self.plans = PlanCache()
+
+    @abstractmethod
+    def spmm(self, matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """``out[i] = sum_{e=(j->i)} w_e * x[j]`` over the row-major CSR."""
+
+    @abstractmethod
+    def spmm_t(self, matrix: CSRStructure, g: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """Transposed product ``out[j] = sum_{e=(j->i)} w_e * g[i]`` through the column-major CSR."""
+
+    @abstractmethod
+    def sddmm_dot(self, matrix: CSRStructure, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per-entry dot products ``<g[i], x[j]>`` for every entry ``j -> i`` (per head for 3-D)."""
+
+    def masked_spmm(
+        self,
+        matrix: CSRStructure,
+        x: torch.Tensor,
+        mask: torch.Tensor,
+        weight: torch.Tensor | None,
+        row_scale: torch.Tensor | None,
+        transposed: bool,
+    ) -> torch.Tensor:
+        """S-SpMM ``(diag(row_scale) A x) ⊙ mask``; only backends that declare :attr:`masked`."""
+        raise NotImplementedError(f"backend {self.name!r} has no masked product")
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Whether this backend runs on ``x`` (its device and dtype)."""
+        return x.device.type == "cpu"
+
+    def cost(self, matrix: CSRStructure, width: int, transposed: bool, weighted: bool = False) -> float:
+        """Modelled seconds of one product: the bytes moved at :attr:`efficiency` times
+        :data:`REFERENCE_BANDWIDTH`, plus :attr:`call_overhead_s`."""
+        bandwidth = self.efficiency * REFERENCE_BANDWIDTH
+        return traffic_bytes(matrix, width, weighted, transposed) / bandwidth + self.call_overhead_s
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add a backend under its ``name`` (replacing one of the same name)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"a backend must subclass tessera.backends.base.Backend, got {type(backend).__name__}")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    """Look a backend up by name; unknown names raise :class:`ConfigError` listing the choices."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown aggregation backend {name!r}; choose from auto, {', '.join(available_backends())}"
+        ) from None
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends."""
+    return sorted(_BACKENDS)
+
+
+def check_backend(name: str) -> str:
+    """``name`` when it is ``auto`` or registered, else the :func:`get_backend` error."""
+    if name != "auto":
+        get_backend(name)
+    return name

@@ -1,0 +1,111 @@
+"""The single-process operand: a whole graph (or one CSR matrix) multiplied on this process's
+backends, chosen per product by :mod:`tessera.backends.select` when the backend is ``auto``."""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.backends import select
+from tessera.backends.base import Backend, available_backends, check_backend, get_backend
+from tessera.errors import ConfigError
+from tessera.graph import Graph
+from tessera.graph.csr import CSRStructure
+from tessera.memo import PlanCache
+from tessera.sparse.operand import Operand
+from tessera.sparse.sparsity import sparse_rows
+
+_derived = PlanCache()  # per graph: the normalised / self-looped graphs its variants multiply with
+
+
+class LocalOperand(Operand):
+    """``matrix`` with ``values`` (``None``: all ones), computed on ``backend``."""
+
+    edge_values = True
+
+    def __init__(self, matrix: CSRStructure, backend: str = "auto", values: torch.Tensor | None = None) -> None:
+        self.matrix, self.backend, self.values = matrix, check_backend(backend), values
+
+    @property
+    def num_rows(self) -> int:
+        return self.matrix.num_rows
+
+    @property
+    def num_cols(self) -> int:
+        return self.matrix.num_cols
+
+    def _backend(self, x: torch.Tensor, weight: torch.Tensor | None, direction: str) -> Backend:
+        if self.backend != "auto":
+            return get_backend(self.backend)
+        # A backward gradient that is zero in most rows (loss on the training vertices only) goes
+        # to a backend whose transposed product gathers only the live rows; the measured choice
+        # was made on dense inputs.
+        if direction == "backward" and sparse_rows(x) is not None:
+            for name in available_backends():
+                if get_backend(name).row_sparse_t:
+                    return get_backend(name)
+        return get_backend(select.choose(self.matrix, x, weight, direction))
+
+    def spmm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.values if weight is None else weight
+        return self._backend(x, w, "forward").spmm(self.matrix, x, w)
+
+    def spmm_t(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.values if weight is None else weight
+        return self._backend(g, w, "backward").spmm_t(self.matrix, g, w)
+
+    def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self._backend(g, None, "backward").sddmm_dot(self.matrix, g, x)
+
+    def in_degree(self) -> torch.Tensor:
+        return self.matrix.in_degree()
+
+    def edge_structure(self) -> CSRStructure:
+        return self.matrix
+
+    def masked_spmm(self, x, mask, weight=None, row_scale=None, transposed=False):
+        backend = self._masked_backend()
+        w = self.values if weight is None else weight
+        if backend is not None and x.dim() == 2:
+            return backend.masked_spmm(self.matrix, x, mask, w, row_scale, transposed)
+        if backend is not None and x.dim() == 3 and (w is None or w.dim() == 1):
+            n, h, f = x.shape
+            flat = backend.masked_spmm(
+                self.matrix, x.reshape(n, h * f), mask.reshape(mask.shape[0], h * f), w, row_scale, transposed
+            )
+            return flat.view(-1, h, f)
+        return super().masked_spmm(x, mask, weight, row_scale, transposed)
+
+    def _masked_backend(self) -> Backend | None:
+        names = [self.backend] if self.backend != "auto" else available_backends()
+        return next((get_backend(n) for n in names if get_backend(n).masked), None)
+
+    # ------------------------------------------------------------------ variants
+    def _derived_graph(self, key: tuple, what: str, make) -> Graph:
+        if not isinstance(self.matrix, Graph):
+            raise ConfigError(f"{what} needs a Graph, not a {type(self.matrix).__name__}")
+        return _derived.get(self.matrix, key, make)
+
+    def pattern(self) -> LocalOperand:
+        return self if self.values is None else LocalOperand(self.matrix, self.backend)
+
+    def weighted(self) -> LocalOperand:
+        return LocalOperand(self.matrix, self.backend, self.matrix.edge_weight)
+
+    def gcn_normalized(self, add_self_loops: bool = True, improved: bool = False) -> LocalOperand:
+        m = self.matrix
+        g = self._derived_graph(
+            ("gcn_norm", add_self_loops, improved), "GCN normalisation", lambda: m.gcn_norm(add_self_loops, improved)
+        )
+        return LocalOperand(g, self.backend, g.edge_weight)
+
+    def with_self_loops(self) -> LocalOperand:
+        m = self.matrix
+        g = self._derived_graph(
+            ("self_loops",), "self loops", lambda: m.replace(edge_weight=None, edge_type=None).add_self_loops()
+        )
+        return LocalOperand(g, self.backend)
+
+
+def local_operand(matrix: CSRStructure, backend: str = "auto") -> LocalOperand:
+    """The unweighted single-process operand of ``matrix`` on ``backend``."""
+    return LocalOperand(matrix, backend)

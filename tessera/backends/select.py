@@ -1,0 +1,154 @@
+"""``backend="auto"``: pick the aggregation backend per (matrix, width, direction).
+
+A cost model ranks the registered backends (:meth:`Backend.cost`: bytes moved over the backend's
+efficiency, plus its fixed cost per call); when the problem is big enough for the choice to
+matter, a short measured trial on the first real input confirms the winner. Decisions are kept in
+memory per matrix and, for matrices with a fingerprint (whole graphs), on disk (``$TESSERA_CACHE``
+or ``~/.cache/tessera``, file ``kernels.json``), so a later run on the same graph and thread count
+reuses them without measuring. The choice does not depend on ``reduce``: mean is a row scaling
+applied after the summing kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.backends.base import available_backends, get_backend
+from tessera.files import atomic_write, default_cache_dir
+from tessera.graph.csr import CSRStructure
+from tessera.memo import PlanCache
+
+_CACHE_VERSION = 2
+_TRIAL_REPS = 3
+# Below this many gathered floats (nnz x width) a measured trial costs more than any choice can
+# save over a whole run, so the cost model alone decides.
+_TRIAL_MIN_WORK = 4_000_000
+_DIRECTIONS = ("forward", "backward")
+_lock = threading.Lock()
+_memo = PlanCache()  # per matrix: decision key -> backend name
+
+
+def cache_file() -> Path:
+    """Where measured decisions are kept: ``$TESSERA_CACHE/kernels.json`` (default ``~/.cache/tessera``)."""
+    return default_cache_dir() / "kernels.json"
+
+
+def decision_key(matrix: CSRStructure, width: int, weighted: bool, heads: int, direction: str) -> str:
+    """The cache key of one decision (the thread count is part of it: the best kernel depends on it)."""
+    return (
+        f"v{_CACHE_VERSION}|{matrix.fingerprint()}|w{width}|h{heads}|"
+        f"{'weighted' if weighted else 'plain'}|{direction}|t{torch.get_num_threads()}"
+    )
+
+
+def _read_disk() -> dict[str, Any]:
+    try:
+        data = json.loads(cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_disk(key: str, entry: dict[str, Any]) -> None:
+    with _lock:
+        data = _read_disk()
+        data[key] = entry
+        try:
+            atomic_write(cache_file(), lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
+        except OSError as e:  # a read-only home must not stop training
+            warnings.warn(f"could not store the kernel choice in {cache_file()}: {e}", RuntimeWarning, stacklevel=3)
+
+
+def candidates(x: torch.Tensor) -> list[str]:
+    """Backends able to run this input."""
+    return [name for name in available_backends() if get_backend(name).supports(x)]
+
+
+def model_cost(name: str, matrix: CSRStructure, width: int, weighted: bool, transposed: bool) -> float:
+    """Cost-model estimate of one product on backend ``name`` (relative seconds)."""
+    return float(get_backend(name).cost(matrix, width, transposed, weighted))
+
+
+def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, direction: str) -> str:
+    """Name of the backend to use for this product (``direction`` "forward" multiplies by A,
+    "backward" by A^T), from memory, the disk cache, the cost model, or a measured trial."""
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
+    width = int(torch.Size(x.shape[1:]).numel())
+    heads = int(x.shape[1]) if x.dim() == 3 else 1
+    key = decision_key(matrix, width, weight is not None, heads, direction)
+    memo = _memo.entries(matrix)
+    if key in memo:
+        return memo[key]
+    names = candidates(x)
+    entry = _read_disk().get(key) if matrix.fingerprint() is not None else None
+    if entry is not None and entry.get("choice") in names:
+        memo[key] = entry["choice"]
+        return memo[key]
+    transposed = direction == "backward"
+    trial = trial_candidates(matrix, width, weight is not None, transposed, names)
+    if len(trial) > 1:
+        return record(matrix, key, measure(matrix, x, weight, trial, transposed))
+    memo[key] = trial[0]
+    return trial[0]
+
+
+def trial_candidates(matrix: CSRStructure, width: int, weighted: bool, transposed: bool, names: list[str]) -> list[str]:
+    """The backends worth a measured trial, best model cost first: only the model's favourite when
+    the problem is too small for a trial to pay, else those within 3x of its cost."""
+    costs = {n: model_cost(n, matrix, width, weighted, transposed) for n in names}
+    ranked = sorted(names, key=lambda n: costs[n])
+    if matrix.num_edges * width < _TRIAL_MIN_WORK:
+        return ranked[:1]
+    return [n for n in ranked if costs[n] <= 3 * costs[ranked[0]]]
+
+
+def record(matrix: CSRStructure, key: str, seconds: dict[str, float]) -> str:
+    """Store the fastest of ``seconds`` (measured backend times) as the decision for ``key``, in
+    memory and (for a matrix with a fingerprint) on disk, and return it."""
+    choice = min(seconds, key=seconds.get)
+    if matrix.fingerprint() is not None:
+        _write_disk(key, {"choice": choice, "seconds": seconds})
+    _memo.entries(matrix)[key] = choice
+    return choice
+
+
+def measure(
+    matrix: CSRStructure,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    names: list[str],
+    transposed: bool,
+    reps: int = _TRIAL_REPS,
+) -> dict[str, float]:
+    """Median seconds of one SpMM (or transposed SpMM) per backend on this input. The backends'
+    runs alternate (after one warm-up call each), so a slow spell of a shared machine falls on
+    all of them rather than on one."""
+    x = x.detach()
+    w = None if weight is None else weight.detach()
+    calls = {}
+    for name in names:
+        b = get_backend(name)
+        fn = b.spmm_t if transposed else b.spmm
+        calls[name] = lambda fn=fn: fn(matrix, x, w)
+        calls[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def clear_memo(matrix: CSRStructure) -> None:
+    """Forget this process's decisions for ``matrix`` (the disk cache is untouched)."""
+    _memo.entries(matrix).clear()

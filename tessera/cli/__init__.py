@@ -1,0 +1,5 @@
+"""The ``tessera`` command and its subcommands."""
+
+from tessera.cli.main import main
+
+__all__ = ["main"]

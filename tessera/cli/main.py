@@ -1,0 +1,223 @@
+"""The ``tessera`` command: ``train``, ``info``, ``partition``, ``simulate`` and ``kernels``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from tessera.cli.launch import PEER_FAILED
+from tessera.errors import DistributedError, TesseraError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line and exits 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _add_dataset(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dataset", help="cora | citeseer | pubmed | ogbn-* | a path | synthetic:<preset> (default synthetic:small)"
+    )
+    p.add_argument("--name", help="which dataset, when a directory holds several (e.g. cora)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tessera", description="Fast full-graph GNN training.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train a model on a whole graph")
+    _add_dataset(t)
+    t.add_argument("--model", help="gcn | sage | gin | gat (default gcn)")
+    t.add_argument("--hidden", type=int, help="hidden width (default 64)")
+    t.add_argument("--layers", type=int, help="number of graph layers (default 2)")
+    t.add_argument("--dropout", type=float, help="dropout probability (default 0.5)")
+    t.add_argument("--heads", type=int, help="GAT attention heads (default 8)")
+    t.add_argument("--lr", type=float, help="Adam learning rate (default 0.01)")
+    t.add_argument("--weight-decay", type=float, help="Adam weight decay (default 5e-4)")
+    t.add_argument("--epochs", type=int, help="maximum epochs (default 200)")
+    t.add_argument(
+        "--patience",
+        type=int,
+        help="stop after this many epochs without a better validation accuracy; 0 = never (default 100)",
+    )
+    t.add_argument("--seed", type=int, help="random seed (default 0)")
+    t.add_argument("--threads", type=int, help="CPU threads for torch and tessera kernels")
+    t.add_argument("--backend", help="aggregation backend (default auto)")
+    t.add_argument("--feature-norm", help="auto | row | none (default auto: row-normalise non-negative features)")
+    t.add_argument(
+        "--out",
+        help="run directory for metrics.jsonl, result.json, checkpoint.pt (default runs/<model>-<dataset>-s<seed>)",
+    )
+    t.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints (default 10)")
+    t.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint in --out")
+    t.add_argument("--plot", action="store_true", default=None, help="write curves.png with loss and accuracy")
+    t.add_argument(
+        "--s-spmm",
+        action="store_true",
+        default=None,
+        help="masked aggregation (S-SpMM) where dropout/ReLU masks allow it; same results, measured slower on CPU",
+    )
+    t.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="hide the progress bar")
+    t.add_argument("--config", help="TOML file of settings named like the flags; flags override it")
+    t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")
+    t.add_argument("--remote-agg", help="post | pre | prepost: how remote in-edges are aggregated (default prepost)")
+    t.add_argument("--partition", help="metis | range | random (default metis)")
+    t.add_argument(
+        "--comm-bits", type=int, help="bits per exchanged value: 32 | 8 | 4 | 2 (stochastic quantization; default 32)"
+    )
+    t.add_argument("--norm", help="none | layer: LayerNorm before each layer (default none)")
+    t.add_argument(
+        "--label-prop", type=float, help="share of training labels fed as input features each epoch (default 0)"
+    )
+    t.add_argument(
+        "--parts-dir", help="train from a `tessera partition --out` directory: each rank reads only its part"
+    )
+    t.add_argument("--timeout", type=float, help="seconds a rank waits on its peers before failing (default 300)")
+    t.add_argument(
+        "--reorder",
+        choices=("auto", "none", "rcm", "metis", "degree"),
+        help="renumber vertices for cache locality while training (outputs keep the original order); "
+        "auto measures graphs of 50k+ vertices and keeps an order only if aggregation is >10%% faster (default auto)",
+    )
+
+    i = sub.add_parser("info", help="print a dataset's size, degree statistics and splits")
+    _add_dataset(i)
+
+    p = sub.add_parser("partition", help="partition a graph and report cut, balance and halo sizes")
+    _add_dataset(p)
+    p.add_argument("--parts", type=int, required=True, help="number of parts")
+    p.add_argument("--method", default="metis", help="metis | range | random (default metis)")
+    p.add_argument("--seed", type=int, default=0, help="seed for metis and random (default 0)")
+    p.add_argument("--out", help="write one file set per part here, for training with --parts-dir")
+
+    from tessera.cli.simulate import add_parser as add_simulate
+
+    add_simulate(sub)
+    from tessera.cli.kernels import add_parser as add_kernels
+
+    add_kernels(sub)
+    return parser
+
+
+def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from tessera.comm.group import env_world_size
+    from tessera.train.config import FIELDS, make_config, read_toml
+    from tessera.train.loop import train
+
+    flags = {k: v for k, v in vars(args).items() if k in FIELDS}
+    cfg = make_config(read_toml(args.config) if args.config else {}, flags)
+    if cfg.nprocs > 1 and env_world_size() <= 1:
+        from tessera.cli.launch import launch
+
+        return launch(argv, cfg.nprocs)
+    res = train(cfg)
+    if not res:  # a non-zero rank: rank 0 reports
+        return 0
+    if "comm" in res:
+        print(format_comm_summary(res["comm"], res["world_size"], cfg.comm_bits))
+    print(
+        f"{cfg.model} on {res['dataset']}: test acc {res['test_acc']:.4f} | val acc {res['val_acc']:.4f} "
+        f"(best epoch {res['best_epoch']}) | median epoch {res['epoch_time_median_s'] * 1e3:.2f} ms | "
+        f"peak RSS {res['peak_rss_mb']:.0f} MiB"
+    )
+    return 0
+
+
+def format_comm_summary(c: dict, world: int, bits: int) -> str:
+    """The end-of-run table of bytes sent and time spent per layer and direction."""
+    lines = [
+        f"communication over {c['epochs']} training epochs, {world} ranks, {bits}-bit exchange:",
+        f"{'layer':>5} {'dir':>4} {'data MB':>10} {'params MB':>10} {'exchange s':>11} {'quantize s':>11} {'compute s':>10}",
+    ]
+    for layer, row in enumerate(c["bytes_data"]):
+        for d, name in enumerate(("fwd", "bwd")):
+            lines.append(
+                f"{layer:>5} {name:>4} {row[d] / 1e6:>10.3f} {c['bytes_params'][layer][d] / 1e6:>10.3f} "
+                f"{c['exchange_s'][layer][d]:>11.3f} {c['quantize_s'][layer][d]:>11.3f} {c['compute_s'][layer][d]:>10.3f}"
+            )
+    total = sum(map(sum, c["bytes_data"])) + sum(map(sum, c["bytes_params"]))
+    lines.append(f"total {total / 1e6:.3f} MB sent (times: slowest rank, summed over epochs)")
+    return "\n".join(lines)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from tessera.datasets import load
+
+    g = load(args.dataset or "synthetic:small", name=args.name)
+    d = g.degree_stats()
+    print(f"dataset      {g.name}")
+    print(f"vertices     {g.num_nodes:,}")
+    print(f"edges        {g.num_edges:,} stored (directed CSR entries); undirected: {g.is_undirected()}")
+    print(
+        f"in-degree    mean {d['mean']:.2f}  max {d['max']:.0f}  p50 {d['p50']:.0f}  p90 {d['p90']:.0f}  p99 {d['p99']:.0f}"
+    )
+    print(f"features     {g.num_features}")
+    print(f"classes      {g.num_classes if g.num_classes is not None else '-'}")
+    for split in ("train", "val", "test"):
+        m = getattr(g, f"{split}_mask")
+        print(f"{split + ' split':<12} {'-' if m is None else f'{int(m.sum()):,}'}")
+    return 0
+
+
+def _cmd_partition(args: argparse.Namespace) -> int:
+    from tessera.datasets import load
+    from tessera.graph.partition import format_partition_report, partition, partition_stats, write_parts
+    from tessera.graph.partition.halo import compare_modes
+
+    g = load(args.dataset or "synthetic:small", name=args.name)
+    part = partition(g, args.parts, args.method, seed=args.seed)
+    print(format_partition_report(partition_stats(g, part, args.parts)))
+    rows = compare_modes(g.indptr.numpy(), g.indices.numpy(), part, args.parts)
+    print(
+        "rows sent per exchange (total / busiest rank): "
+        + ", ".join(f"{m} {r['total']:,} / {r['max_rank']:,}" for m, r in rows.items())
+    )
+    if args.out:
+        print(f"wrote {write_parts(g, part, args.out, method=args.method)}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``tessera`` console script; returns the exit status."""
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed in one line
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "train":
+            return _cmd_train(args, argv)
+        if args.command == "partition":
+            return _cmd_partition(args)
+        if args.command == "simulate":
+            from tessera.cli.simulate import run as run_simulate
+
+            return run_simulate(args)
+        if args.command == "kernels":
+            from tessera.cli.kernels import run as run_kernels
+
+            return run_kernels(args)
+        return _cmd_info(args)
+    except DistributedError as e:
+        if os.environ.get("TESSERA_LAUNCHER_PID"):
+            return PEER_FAILED  # the launcher names the rank that failed first
+        print(f"tessera: error: {e}", file=sys.stderr)
+        return 1
+    except TesseraError as e:
+        print(f"tessera: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tessera: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The ``tessera simulate`` subcommand: communication volumes and projected times for P parts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from tessera.comm.wire import COMM_BITS
+from tessera.errors import ConfigError
+from tessera.graph.partition.halo import MODES
+from tessera.planner.model import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US, DEFAULT_QUANT_GBPS
+
+DESCRIPTION = """\
+Compute, without starting any process, the rows and bytes every ordered pair of P ranks exchanges
+per training epoch (forward and backward of every layer; evaluation forwards only in --json),
+exactly as `tessera train --nprocs P` sends them, and project the communication time with
+SuperGCN's model (Eq. 2-6): per exchange, max over ranks of sum over peers of (bytes/BW + latency)
+plus quantize/dequantize streaming (b < 32) and LayerNorm (--norm layer) at the quantization
+throughput; the epoch time sums its exchanges."""
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    """Comma-separated integers."""
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise ConfigError(f"{flag} needs at least one value")
+    return vals
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``simulate`` on an ``add_subparsers()`` object; returns its parser."""
+    s = subparsers.add_parser(
+        "simulate",
+        help="communication volume and projected time for P parts, without starting processes",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("--dataset", help="cora | citeseer | ogbn-* | a path | synthetic:<preset> (default synthetic:small)")
+    s.add_argument("--name", help="which dataset, when a directory holds several (e.g. cora)")
+    s.add_argument("--parts", required=True, help="number of parts, or several comma-separated (e.g. 8,64,512)")
+    s.add_argument("--model", default="gcn", help="gcn | sage | gin (default gcn)")
+    s.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
+    s.add_argument("--layers", type=int, default=2, help="number of graph layers (default 2)")
+    s.add_argument("--out-dim", type=int, help="output width (default: the dataset's number of classes)")
+    s.add_argument(
+        "--norm", default="none", help="none | layer: LayerNorm before each layer, as train --norm (default none)"
+    )
+    s.add_argument(
+        "--label-prop",
+        type=float,
+        default=0.0,
+        help="masked label propagation share, as train --label-prop (default 0)",
+    )
+    s.add_argument("--remote-agg", default="all", help="pre | post | prepost | all, or a comma list (default all)")
+    s.add_argument("--comm-bits", default="32,2", help="comma list from 32,8,4,2 (default 32,2)")
+    s.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=DEFAULT_BANDWIDTH_GBPS,
+        help=f"link bandwidth per rank in GB/s, BW_comm (default {DEFAULT_BANDWIDTH_GBPS}: a 100 Gb/s InfiniBand/Ethernet class interconnect)",
+    )
+    s.add_argument(
+        "--latency-us",
+        type=float,
+        default=DEFAULT_LATENCY_US,
+        help=f"latency per message in microseconds, L_comm (default {DEFAULT_LATENCY_US}: typical MPI small-message latency)",
+    )
+    s.add_argument(
+        "--quant-gbps",
+        type=float,
+        default=DEFAULT_QUANT_GBPS,
+        help=f"throughput of quantize/dequantize/LayerNorm streaming in GB/s, TH_cal (default {DEFAULT_QUANT_GBPS}: "
+        "STREAM triad on this 2-core machine, benchmarks/RESULTS.md)",
+    )
+    s.add_argument("--method", default="metis", help="metis | range | random (default metis)")
+    s.add_argument("--seed", type=int, default=0, help="partition seed, as train --seed (default 0)")
+    s.add_argument("--table-layer", type=int, default=0, help="layer of the Table-5-style comparison (default 0)")
+    s.add_argument("--plot", help="write a PNG of volume and projected time versus P here")
+    s.add_argument("--json", action="store_true", help="print only JSON to stdout")
+    return s
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    if text.strip() == "all":
+        return ("pre", "post", "prepost")
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ConfigError(f"--remote-agg must be pre, post, prepost, all or a comma list of them, got {text!r}")
+    return tuple(dict.fromkeys(modes))
+
+
+def _bits(text: str) -> tuple[int, ...]:
+    bits = _ints(text, "--comm-bits")
+    bad = [b for b in bits if b not in COMM_BITS]
+    if bad:
+        raise ConfigError(f"--comm-bits values must be among {', '.join(map(str, COMM_BITS))}, got {bad[0]}")
+    return tuple(sorted(set(bits), reverse=True))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate every requested P, print the tables (or JSON), write the plot; returns 0."""
+    from tessera.datasets import load
+    from tessera.nn import build_model
+    from tessera.planner.model import CommModel, project
+    from tessera.planner.report import format_table, format_table5, to_json, write_plot
+    from tessera.planner.volume import simulate_volumes
+
+    parts = _ints(args.parts, "--parts")
+    if any(p < 1 for p in parts):
+        raise ConfigError(f"--parts values must be at least 1, got {args.parts!r}")
+    modes, bits = _modes(args.remote_agg), _bits(args.comm_bits)
+    m = CommModel(args.bandwidth_gbps, args.latency_us, args.quant_gbps)
+    if not 0 <= args.label_prop < 1:
+        raise ConfigError(f"--label-prop must be in [0, 1), got {args.label_prop}")
+    if args.layers < 1 or args.hidden < 1:
+        raise ConfigError(f"--layers and --hidden must be at least 1, got {args.layers} and {args.hidden}")
+    if not 0 <= args.table_layer < args.layers:
+        raise ConfigError(f"--table-layer must be in [0, {args.layers}), got {args.table_layer}")
+    t0 = time.perf_counter()
+    g = load(args.dataset or "synthetic:small", name=args.name)
+    load_s = time.perf_counter() - t0
+    out_dim = args.out_dim if args.out_dim is not None else g.num_classes
+    if out_dim is None:
+        raise ConfigError("the graph has no labels; pass the output width (--out-dim)")
+    specs = build_model(args.model, g.num_features, args.hidden, int(out_dim), args.layers).describe()
+    runs = []
+    for p in parts:
+        t = time.perf_counter()
+        vol = simulate_volumes(g, p, specs, modes, bits, args.method, args.seed, args.norm, args.label_prop, args.model)
+        t1 = time.perf_counter()
+        proj = project(vol, m)
+        vol["timing_s"]["model"] = time.perf_counter() - t1
+        vol["timing_s"]["total"] = time.perf_counter() - t
+        runs.append({"vol": vol, "proj": proj})
+    plot = str(write_plot(runs, args.plot)) if args.plot else None
+    if args.json:
+        sys.stdout.write(to_json(runs, m, plot, args.table_layer) + "\n")
+        return 0
+    v0 = runs[0]["vol"]
+    print(
+        f"{v0['dataset']}: {v0['vertices']:,} vertices, {v0['edges']:,} edges; {args.model} {v0['in_dim']}->"
+        f"{args.hidden}x{args.layers - 1}->{v0['out_dim']}, exchange widths {v0['widths']}, backward exchange per layer "
+        f"{v0['backward']}; {args.method} partition, seed {args.seed}"
+    )
+    print(
+        f"model: BW {m.bandwidth_gbps:g} GB/s, latency {m.latency_us:g} us, quantization {m.quant_gbps:g} GB/s; "
+        "MB = 1e6 bytes, per training epoch (forward + backward); evaluation forwards not included"
+    )
+    print(format_table(runs))
+    for r in runs:
+        print()
+        print(format_table5(r, args.table_layer))
+    print()
+    print(f"load {load_s:.2f} s")
+    for r in runs:
+        ts = r["vol"]["timing_s"]
+        print(
+            f"P={r['vol']['parts']}: {ts['total']:.2f} s (partition {ts['partition']:.2f} s, pair rows {ts['rows']:.2f} s, "
+            f"bytes {ts['bytes']:.2f} s, model {ts['model']:.2f} s); cut edges {r['vol']['cut_edges']:,}"
+        )
+    if plot:
+        print(f"wrote {plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``simulate`` standalone (``python -m tessera.cli.simulate``), with the CLI's error handling."""
+    from tessera.errors import TesseraError
+
+    parser = argparse.ArgumentParser(prog="tessera")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except TesseraError as e:
+        print(f"tessera: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The process group: started from torchrun's standard environment or tessera's own launcher.
+
+A group carries the device its tensors live on, and the collective backend follows it: gloo for
+CPU tensors, NCCL for CUDA ones. Training runs where its tensors are, so a GPU node training on
+CPU tensors uses gloo, and asking for a CUDA device the node lacks is refused with a clear error."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tessera.errors import ConfigError
+
+
+@dataclass
+class Comm:
+    """This process's place in the job: rank, world size, device and the collectives it uses."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def backend(self) -> str:
+        """The collective backend for this group's tensors."""
+        return backend_for(self.device)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place sum over all ranks (no-op for one rank); returns ``t``."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """In-place broadcast from ``src``; returns ``t``."""
+        if self.world > 1:
+            dist.broadcast(t, src)
+        return t
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.world > 1:
+            dist.barrier()
+
+
+def env_world_size() -> int:
+    """``WORLD_SIZE`` from the environment (1 when not launched as a distributed job)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def backend_for(device: torch.device) -> str:
+    """``nccl`` for CUDA tensors, ``gloo`` for everything else."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def single_process(device: torch.device | str = "cpu") -> Comm:
+    """The group of a run that is not distributed."""
+    return Comm(0, 1, torch.device(device))
+
+
+def init_from_env(timeout_s: float, device: torch.device | str = "cpu") -> Comm:
+    """Join the job described by ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
+    (torchrun's variables) for tensors on ``device`` (``cuda`` means this rank's ``LOCAL_RANK``
+    GPU). Collectives that wait longer than ``timeout_s`` raise instead of hanging."""
+    rank, world = int(os.environ["RANK"]), env_world_size()
+    device = torch.device(device)
+    if device.type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if not torch.cuda.is_available() or torch.cuda.device_count() <= local_rank:
+            raise ConfigError(
+                f"rank {rank} asks for CUDA device {local_rank} but this node has "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; train on cpu or start fewer ranks per node"
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(
+            backend_for(device), rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout)
+        )
+    return Comm(rank, world, device)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, a store private to this restart attempt; ``None`` means torch's ``env://``.
+
+    torchrun's agent hosts one store for the whole job, so after a worker dies and the group is
+    restarted the previous attempt's peer addresses are still in it: a restarted rank can read a
+    dead peer's address before the live one overwrites it and fail with "connection refused".
+    Prefixing every key with the attempt number makes each attempt start from an empty namespace."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+
+
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group if one was joined. After a clean run every rank first meets the
+    others, so none tears gloo down while a peer still talks to it (a torchrun worker can abort
+    in teardown otherwise); restarted workers pass this barrier because each attempt has its own
+    store prefix (``_attempt_store``)."""
+    if dist.is_initialized():
+        if clean:
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass  # a peer is already gone: still leave the group
+        dist.destroy_process_group()

@@ -1,0 +1,56 @@
+"""Files every layer writes: atomic replacement (a reader sees the old file or the new one, never
+half) and the cache folder for partitions, orders and measured choices."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON atomically."""
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+
+
+def save_npy(path: str | Path, arr: Any) -> None:
+    """Write one array as ``.npy`` atomically (no pickles)."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npy"
+            np.save(f, arr, allow_pickle=False)
+
+    atomic_write(path, write)
+
+
+def default_cache_dir() -> Path:
+    """``$TESSERA_CACHE`` or ``~/.cache/tessera``."""
+    env = os.environ.get("TESSERA_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tessera"

@@ -1,0 +1,113 @@
+"""Compressed sparse rows: the structure shared by :class:`~tessera.graph.Graph` and the
+rectangular matrices a partitioned rank multiplies with, and the helpers every CSR user needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_INT32_MAX = 2**31 - 1
+
+
+def index_dtype(num_nodes: int, num_edges: int) -> torch.dtype:
+    """int32 when every vertex id and edge offset fits, else int64."""
+    return torch.int32 if max(num_nodes, num_edges) <= _INT32_MAX else torch.int64
+
+
+def rows_of(indptr: np.ndarray) -> np.ndarray:
+    """The row of every entry of a CSR with row pointers ``indptr`` (int64, in entry order)."""
+    indptr = np.asarray(indptr)
+    return np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
+
+
+@dataclass(frozen=True)
+class TransposedCSR:
+    """Column-major CSR of a matrix: ``indices[indptr[j]:indptr[j+1]]`` are the rows with an entry
+    in column ``j`` and ``perm`` maps each transposed position to its entry id in the row-major CSR."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    perm: torch.Tensor
+
+
+class CSRStructure:
+    """Derived structure of a ``num_rows x num_cols`` CSR (``indptr``, ``indices``), computed once
+    per object. Only the structure's own facts are kept here; kernels keep their plans themselves."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    num_rows: int  # rows of the matrix (destinations)
+    num_cols: int  # columns of the matrix (sources)
+    _structure: dict
+
+    @property
+    def num_edges(self) -> int:
+        """Number of stored entries (edges)."""
+        return int(self.indices.numel())
+
+    def fingerprint(self) -> str | None:
+        """A stable digest for on-disk caches; ``None`` (the default) means "do not cache on disk"."""
+        return None
+
+    def _derived(self, key: str, make):
+        if key not in self._structure:
+            self._structure[key] = make()
+        return self._structure[key]
+
+    def dst_index(self) -> torch.Tensor:
+        """The row (destination vertex) of every entry, int64, in CSR order."""
+        return self._derived("dst", lambda: torch.from_numpy(rows_of(self.indptr.numpy())))
+
+    def src_index(self) -> torch.Tensor:
+        """The column (source vertex) of every entry, int64, in CSR order."""
+        return self._derived("src", lambda: self.indices.to(torch.int64))
+
+    def in_degree(self) -> torch.Tensor:
+        """Entries per row (int64): each vertex's in-edges."""
+        return self._derived("indeg", lambda: (self.indptr[1:] - self.indptr[:-1]).to(torch.int64))
+
+    def out_degree(self) -> torch.Tensor:
+        """Entries per column (int64): each vertex's out-edges."""
+        return self._derived("outdeg", lambda: torch.bincount(self.src_index(), minlength=self.num_cols))
+
+    def transpose(self) -> TransposedCSR:
+        """Column-major CSR (computed once), used by backward passes to scatter without atomics."""
+
+        def make() -> TransposedCSR:
+            perm = torch.argsort(self.src_index() * max(self.num_rows, 1) + self.dst_index(), stable=True)
+            indptr = torch.zeros(self.num_cols + 1, dtype=torch.int64)
+            indptr[1:] = torch.cumsum(self.out_degree(), 0)
+            idt = self.indptr.dtype
+            return TransposedCSR(indptr.to(idt), self.dst_index()[perm].to(idt), perm.to(idt))
+
+        return self._derived("transpose", make)
+
+
+@dataclass(eq=False)
+class CSRMatrix(CSRStructure):
+    """``num_rows x num_cols`` CSR: row ``i`` holds entries ``(indices[e], edge_weight[e])`` for
+    ``e in [indptr[i], indptr[i+1])`` (``edge_weight`` None: all ones). The product ``out = M @ x``
+    is an aggregation into rows from columns, so every backend runs it as it runs a graph's."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    edge_weight: torch.Tensor | None
+    num_rows: int
+    num_cols: int
+    _structure: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_numpy(
+        cls, indptr: np.ndarray, indices: np.ndarray, weight: np.ndarray | None, num_rows: int, num_cols: int
+    ) -> CSRMatrix:
+        """Wrap numpy CSR arrays (copied into int32/int64 and float32 tensors)."""
+        idt = index_dtype(max(num_rows, num_cols), int(indices.size))
+        return cls(
+            torch.from_numpy(np.ascontiguousarray(indptr)).to(idt),
+            torch.from_numpy(np.ascontiguousarray(indices)).to(idt),
+            None if weight is None else torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)),
+            int(num_rows),
+            int(num_cols),
+        )

@@ -1,0 +1,242 @@
+"""Partition parallelism with halo exchange (SuperGCN §5.2): each rank owns a METIS part.
+
+For owned features ``h`` the rank computes ``A h + R . all_to_all(S h)`` where ``A`` holds the
+in-edges among owned vertices, ``S`` builds the rows this rank sends (a source row for
+post-aggregated edges, a partial sum for pre-aggregated ones) and ``R`` adds the received rows
+into their destinations (:mod:`tessera.graph.partition.halo` builds them). Backward is the
+transpose through the reverse exchange. The exchange starts asynchronously and the local product
+runs while it is in flight.
+
+Everything a rank needs is local: self loops only touch ``A``, and GCN's symmetric normalisation
+factorises as ``D^-1/2 Â D^-1/2 x = dis * (Â (dis * x))`` with ``dis_i`` computed from ``i``'s own
+in-edges, so a rank built from its part file alone trains the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessera.backends import local_operand
+from tessera.comm.accounting import BACKWARD, FORWARD, CommLog, Timer
+from tessera.comm.exchange import Exchange
+from tessera.errors import ConfigError
+from tessera.graph import Graph
+from tessera.graph.csr import CSRMatrix, rows_of
+from tessera.graph.partition import partition
+from tessera.graph.partition.halo import RankPlan, build_rank_plan, plan_from_part
+from tessera.parallel.base import SPLITS, Shard, Strategy
+from tessera.sparse import LayerSpec, Operand
+
+
+@dataclass
+class HaloMatrices:
+    """One variant of a rank's plan as CSR matrices: ``A`` (owned x owned), ``S`` (sent x owned),
+    ``R`` (owned x received), the global in-degree of every owned row and GCN's ``dis`` scale."""
+
+    A: CSRMatrix
+    S: CSRMatrix
+    R: CSRMatrix
+    in_degree: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+class HaloPlan:
+    """A rank's halo plan and its variants (pattern, weighted, self loops, GCN normalisation),
+    each built once and shared by every layer's operand."""
+
+    def __init__(self, plan: RankPlan, in_weight: np.ndarray, exchange: Exchange, backend: str) -> None:
+        self.plan, self.exchange, self.backend = plan, exchange, backend
+        self._in_weight = np.asarray(in_weight, dtype=np.float64)  # weighted in-degree (= count unweighted)
+        self._variants: dict[tuple, HaloMatrices] = {}
+
+    def variant(self, kind: str, add_self_loops: bool = False, improved: bool = False) -> HaloMatrices:
+        """``kind`` is ``pattern``, ``weighted`` or ``gcn``; the matrices are made once."""
+        key = (kind, add_self_loops, improved)
+        if key not in self._variants:
+            self._variants[key] = self._make(kind, add_self_loops, improved)
+        return self._variants[key]
+
+    def _make(self, kind: str, add_self_loops: bool, improved: bool) -> HaloMatrices:
+        p, n = self.plan, self.plan.n_owned
+        weighted = kind != "pattern"
+        a_indptr, a_cols, a_w = p.A.indptr, p.A.indices, p.A.weight if weighted else None
+        deg, in_weight = p.in_degree_global, self._in_weight if weighted else p.in_degree_global.astype(np.float64)
+        if add_self_loops:
+            a_indptr, a_cols, a_w, deg, in_weight = _with_self_loops(
+                a_indptr, a_cols, a_w, deg, in_weight, 2.0 if improved else 1.0
+            )
+        scale = None
+        if kind == "gcn":
+            dis = np.where(in_weight > 0, 1.0 / np.sqrt(np.maximum(in_weight, 1e-300)), 0.0)
+            scale = torch.from_numpy(dis.astype(np.float32))
+        return HaloMatrices(
+            CSRMatrix.from_numpy(a_indptr, a_cols, a_w, n, n),
+            CSRMatrix.from_numpy(p.S.indptr, p.S.indices, p.S.weight if weighted else None, p.S.n_rows, n),
+            CSRMatrix.from_numpy(p.R.indptr, p.R.indices, p.R.weight if weighted else None, n, p.R.n_cols),
+            torch.from_numpy(np.asarray(deg, dtype=np.int64)),
+            scale,
+        )
+
+
+def _with_self_loops(indptr, cols, w, deg, in_weight, fill: float):
+    """``A`` with exactly one self loop per row (as :meth:`Graph.add_self_loops`), and the global
+    in-degree and weighted in-degree that go with it."""
+    rows = rows_of(indptr)
+    n = indptr.size - 1
+    loop = rows == cols
+    loop_w = np.full(n, float(fill), dtype=np.float64)
+    old_loop_w = np.bincount(rows[loop], weights=None if w is None else w[loop], minlength=n)
+    if w is not None:
+        loop_w[rows[loop]] = w[loop]
+    keep = ~loop
+    r = np.concatenate([rows[keep], np.arange(n)])
+    c = np.concatenate([cols[keep], np.arange(n)])
+    vals = None
+    if w is not None or fill != 1.0:
+        base = w[keep].astype(np.float64) if w is not None else np.ones(int(keep.sum()))
+        vals = np.concatenate([base, loop_w])
+    order = np.lexsort((c, r))
+    new_indptr = np.concatenate([[0], np.cumsum(np.bincount(r, minlength=n))]).astype(np.int64)
+    loops_per_row = np.bincount(rows[loop], minlength=n)
+    new_deg = deg - loops_per_row + 1
+    new_in_weight = in_weight - (old_loop_w if w is not None else loops_per_row) + loop_w
+    return new_indptr, c[order], None if vals is None else vals[order].astype(np.float32), new_deg, new_in_weight
+
+
+class HaloOperand(Operand):
+    """Layer ``layer``'s operand on this rank: local product plus the halo exchange."""
+
+    def __init__(self, plan: HaloPlan, layer: int, mats: HaloMatrices) -> None:
+        self.plan, self.layer, self.m = plan, layer, mats
+
+    @property
+    def num_rows(self) -> int:
+        return self.m.A.num_rows
+
+    @property
+    def num_cols(self) -> int:
+        return self.m.A.num_cols
+
+    def _scaled(self, t: torch.Tensor) -> torch.Tensor:
+        s = self.m.scale
+        return t if s is None else t * s.to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
+
+    def _product(self, h: torch.Tensor, direction: int) -> torch.Tensor:
+        """``A h + R . exchange(S h)`` forward, ``A^T g + S^T . exchange_back(R^T g)`` backward."""
+        m, ex, log, layer = self.m, self.plan.exchange, self.plan.exchange.log, self.layer
+        first, last = (m.S, m.R) if direction == FORWARD else (m.R, m.S)
+
+        def mul(mat: CSRMatrix, t: torch.Tensor) -> torch.Tensor:
+            a = local_operand(mat, self.plan.backend)
+            return a.spmm(t) if direction == FORWARD else a.spmm_t(t)
+
+        h = self._scaled(h).contiguous()
+        with Timer(log, layer, direction, "compute_s"):
+            out_rows = mul(first, h)
+        pending = ex.start(out_rows, layer, direction)
+        with Timer(log, layer, direction, "compute_s"):
+            out = mul(m.A, h)
+        received = ex.finish(pending)
+        with Timer(log, layer, direction, "compute_s"):
+            out = out + mul(last, received)
+        return self._scaled(out)
+
+    def spmm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if weight is not None:
+            self.edge_structure()
+        return self._product(x, FORWARD)
+
+    def spmm_t(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if weight is not None:
+            self.edge_structure()
+        return self._product(g, BACKWARD)
+
+    def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.edge_structure()  # raises: per-edge values need one process
+
+    def in_degree(self) -> torch.Tensor:
+        return self.m.in_degree
+
+    def _variant(self, *args) -> HaloOperand:
+        return HaloOperand(self.plan, self.layer, self.plan.variant(*args))
+
+    def pattern(self) -> HaloOperand:
+        return self._variant("pattern")
+
+    def weighted(self) -> HaloOperand:
+        return self._variant("weighted")
+
+    def gcn_normalized(self, add_self_loops: bool = True, improved: bool = False) -> HaloOperand:
+        return self._variant("gcn", add_self_loops, improved)
+
+    def with_self_loops(self) -> HaloOperand:
+        return self._variant("pattern", True)
+
+
+class PartitionStrategy(Strategy):
+    """Each rank owns a part of the vertices and exchanges halo rows every layer."""
+
+    name = "partition"
+
+    def check(self, specs: list[LayerSpec]) -> None:
+        if any(s.edge_values for s in specs):
+            raise ConfigError("GAT trains single-process only for now: drop --nprocs or pick gcn, sage or gin")
+
+    def shard(self, graph: Graph) -> Shard:
+        graph.require("x", "y", "train_mask", "val_mask", "test_mask")
+        comm, opt = self.comm, self.options
+        part = torch.zeros(graph.num_nodes, dtype=torch.int64)
+        if comm.rank == 0:
+            part = torch.from_numpy(partition(graph, comm.world, opt.partition, seed=opt.seed).astype("int64"))
+        comm.broadcast(part)
+        w = None if graph.edge_weight is None else graph.edge_weight.numpy()
+        plan = build_rank_plan(
+            graph.indptr.numpy(), graph.indices.numpy(), w, part.numpy(), opt.remote_agg, comm.rank, world=comm.world
+        )
+        owned = torch.from_numpy(plan.owned.astype(np.int64))
+        in_weight = graph.in_degree()[owned].numpy().astype(np.float64)
+        if w is not None:
+            wsum = np.zeros(graph.num_nodes)
+            np.add.at(wsum, graph.dst_index().numpy(), w.astype(np.float64))
+            in_weight = wsum[plan.owned]
+        self._start(plan, in_weight)
+        return Shard.of_graph(graph, owned)
+
+    def shard_from_part(self, data: dict[str, Any]) -> Shard:
+        meta = data.get("meta", {})
+        plan = plan_from_part(data, self.options.remote_agg)
+        indptr = data["indptr"].astype(np.int64)
+        w = data.get("weight")
+        in_weight = np.diff(indptr).astype(np.float64)
+        if w is not None:
+            in_weight = np.bincount(rows_of(indptr), weights=w.astype(np.float64), minlength=indptr.size - 1)
+        self._start(plan, in_weight)
+        missing = [k for k in ("x", "y", *(f"{s}_mask" for s in SPLITS)) if k not in data]
+        if missing:
+            raise ConfigError(
+                f"partition of {meta.get('name', 'graph')!r} has no {', '.join(missing)}; training needs it"
+            )
+        return Shard(
+            ids=torch.from_numpy(plan.owned.astype(np.int64)),
+            x=torch.from_numpy(np.ascontiguousarray(data["x"])).float(),
+            y=torch.from_numpy(np.ascontiguousarray(data["y"])).long(),
+            masks={s: torch.from_numpy(np.ascontiguousarray(data[f"{s}_mask"])) for s in SPLITS},
+            num_classes=int(meta.get("num_classes")),
+            name=meta.get("name", "graph"),
+            fingerprint=str(data["fingerprint"]),
+            num_nodes=int(meta.get("num_nodes", data["num_nodes"])),
+            num_edges=int(meta.get("num_edges", 0)),
+        )
+
+    def _start(self, plan: RankPlan, in_weight: np.ndarray) -> None:
+        exchange = Exchange(self.comm, plan.send_counts, plan.recv_counts)
+        self.log = CommLog(self.comm.rank, self.comm.world)
+        exchange.configure(self.options.comm_bits, self.log)
+        self.halo = HaloPlan(plan, in_weight, exchange, self.options.backend)
+
+    def operand(self, spec: LayerSpec, layer: int) -> Operand:
+        return HaloOperand(self.halo, layer, self.halo.variant("pattern"))

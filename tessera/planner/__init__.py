@@ -1,0 +1,7 @@
+"""Communication volumes and projected times for P workers, from the same halo plans the
+partition strategy runs (:mod:`tessera.graph.partition.halo`)."""
+
+from tessera.planner.model import CommModel, project
+from tessera.planner.volume import pair_detail, pair_rows, runtime_bytes, simulate_volumes
+
+__all__ = ["CommModel", "pair_detail", "pair_rows", "project", "runtime_bytes", "simulate_volumes"]

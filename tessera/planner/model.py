@@ -1,0 +1,144 @@
+"""SuperGCN's communication performance model (§5.4 Eq. 2, §6.2 Eq. 3–8) over simulated volumes.
+
+For one exchange with ``rows[i, j]`` rows from rank ``i`` to rank ``j``, ``B_ij`` its bytes
+(``tessera.comm.wire.block_bytes``: data plus, below 32 bits, a scale and zero point per group of
+``GROUP_ROWS`` rows) and ``data_w`` the data bytes of one row::
+
+    T_comm^{i,j}  = B_ij / BW + L                       (pairs with traffic; Eq. 2, Eq. 5)
+    T_quant^{i,j} = rows_ij * (4 w + data_w) / TH       (fp32 read + intX written; Eq. 4, b < 32)
+    T_dequant^{j,i} = T_quant^{i,j}                     (``j`` dequantizes what ``i`` sent; Eq. 4)
+    T_pre^i       = owned_i * w_in * 4 / TH             (LayerNorm before the layer; Eq. 3)
+    T             = max_i ( T_pre^i + sum_j T_comm^{i,j} + T_quant^{i,j} + T_dequant^{j,i} )  (Eq. 6)
+
+so, as in the paper, a sender's critical path holds quantizing, sending and dequantizing its own
+messages (Eq. 8's ``2 alpha (1 + gamma)`` term); a single pair gives Eq. 8 exactly.
+
+Each exchange is an ``all_to_all`` every rank waits for, so an epoch's time is the sum over its
+exchanges of their ``T``. Local aggregation is not in the paper's model, nor here. ``T_pre`` is
+counted on forward exchanges whenever the model has LayerNorm (``norm="layer"``), at any bit width,
+since tessera runs LayerNorm independently of quantization (SuperGCN counts it only with Int2,
+where it introduces it); the label-embedding add is a few rows and is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from tessera.comm.wire import block_bytes, data_bytes, group_rows
+from tessera.errors import ConfigError
+
+DEFAULT_BANDWIDTH_GBPS = 12.5  # 100 Gb/s InfiniBand / Ethernet class link, per rank
+DEFAULT_LATENCY_US = 5.0  # typical MPI small-message latency on such a network
+DEFAULT_QUANT_GBPS = 25.8  # STREAM triad, 2 cores, this machine (benchmarks/RESULTS.md)
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Hardware constants: link bandwidth and per-message latency (``BW_comm``, ``L_comm``) and the
+    memory throughput quantization, dequantization and LayerNorm stream at (``TH_cal``)."""
+
+    bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
+    latency_us: float = DEFAULT_LATENCY_US
+    quant_gbps: float = DEFAULT_QUANT_GBPS
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_gbps > 0 or not self.quant_gbps > 0:
+            raise ConfigError(
+                f"bandwidth and quantization throughput must be positive, got {self.bandwidth_gbps} and {self.quant_gbps} GB/s"
+            )
+        if not self.latency_us >= 0:
+            raise ConfigError(f"latency must be non-negative, got {self.latency_us} us")
+
+    def to_dict(self) -> dict[str, float]:
+        """The constants as a plain dict."""
+        return asdict(self)
+
+
+def exchange_time(
+    rows: np.ndarray,
+    width: int,
+    bits: int,
+    m: CommModel,
+    owned: np.ndarray | None = None,
+    norm_width: int = 0,
+) -> dict[str, Any]:
+    """Eq. 6 for one exchange (sender x receiver ``rows``): the slowest rank's time and its parts;
+    ``owned`` and ``norm_width`` add Eq. 3's LayerNorm term."""
+    data, params = block_bytes(np.asarray(rows), width, bits)
+    bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
+    sent = rows.sum(axis=1)
+    comm = (data + params).sum(axis=1) / bw + np.count_nonzero(rows, axis=1) * lat
+    quant = 2 * sent * (4 * width + data_bytes(width, bits)) / th if bits < 32 else np.zeros(sent.shape)
+    pre = owned * norm_width * 4 / th if owned is not None and norm_width else np.zeros(sent.shape)
+    total = pre + comm + quant
+    i = int(np.argmax(total)) if total.size else 0
+    if not total.size:
+        return {"time_s": 0.0, "comm_s": 0.0, "quant_s": 0.0, "pre_quant_s": 0.0, "rank": 0}
+    return {
+        "time_s": float(total[i]),
+        "comm_s": float(comm[i]),
+        "quant_s": float(quant[i]),
+        "pre_quant_s": float(pre[i]),
+        "rank": i,
+    }
+
+
+def eq8_speedup(alpha: float, beta: float, gamma: float, delta: float) -> float:
+    """SuperGCN Eq. 8: ``T_comm / T_quant_comm`` for one pair, from the ratios of Eq. 7."""
+    return alpha * beta * (gamma + delta) / ((1 + delta) * alpha * beta + 2 * alpha * (1 + gamma) + beta * gamma)
+
+
+def eq7_ratios(pair_rows: float, width: int, bits: int, m: CommModel) -> dict[str, float]:
+    """Eq. 7's alpha (values per parameter), beta (TH / BW), gamma (32 / b) and delta (latency over
+    the quantized transfer time) for a pair sending ``pair_rows`` rows, and Eq. 8's speedup."""
+    data_time = pair_rows * width * bits / 8 / (m.bandwidth_gbps * 1e9)
+    groups = max(np.ceil(pair_rows / group_rows()), 1)
+    r = {
+        "alpha": pair_rows * width / (2 * groups),  # two fp32 parameters (scale, zero) per group of rows
+        "beta": m.quant_gbps / m.bandwidth_gbps,
+        "gamma": 32 / bits,
+        "delta": m.latency_us * 1e-6 / data_time if data_time > 0 else float("inf"),
+    }
+    r["speedup"] = eq8_speedup(**r) if np.isfinite(r["delta"]) else 1.0
+    return r
+
+
+def _exchanges(vol: dict[str, Any], mode: str, bits: int, m: CommModel) -> list[dict[str, Any]]:
+    """Eq. 6 per layer: forward and (where there is one) backward."""
+    rows, owned = vol["_rows"][mode], vol["_owned"]
+    out = []
+    for layer, (width, back) in enumerate(zip(vol["widths"], vol["backward"])):
+        norm_w = vol["layer_inputs"][layer] if vol["norm"] == "layer" else 0
+        fwd = exchange_time(rows, width, bits, m, owned, norm_w)
+        bwd = exchange_time(rows.T, width, bits, m) if back else None
+        out.append({"layer": layer, "forward": fwd, "backward": bwd})
+    return out
+
+
+def project(vol: dict[str, Any], m: CommModel) -> dict[str, Any]:
+    """Projected times per mode and bit width of :func:`simulate_volumes`' result: per exchange,
+    per epoch (sum over exchanges), Eq. 7/8 at layer 0's busiest sender, and speedup over fp32
+    post (None when that baseline was not simulated)."""
+    out: dict[str, Any] = {}
+    for mode, per_mode in vol["modes"].items():
+        out[mode] = {}
+        for bits in per_mode["bits"]:
+            layers = _exchanges(vol, mode, bits, m)
+            ex = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
+            epoch = {k: sum(d[k] for d in ex) for k in ("time_s", "comm_s", "quant_s", "pre_quant_s")}
+            rows = vol["_rows"][mode]
+            busiest = int(np.argmax(rows.sum(axis=1))) if rows.size else 0
+            active = max(int(np.count_nonzero(rows[busiest])), 1)
+            entry = {"layers": layers, "epoch": epoch}
+            if bits < 32:
+                entry["eq8_layer0"] = eq7_ratios(rows[busiest].sum() / active, vol["widths"][0], bits, m)
+            out[mode][bits] = entry
+    base = out.get("post", {}).get(32)
+    for per_mode in out.values():
+        for entry in per_mode.values():
+            t = entry["epoch"]["time_s"]
+            entry["speedup_vs_fp32_post"] = base["epoch"]["time_s"] / t if base and t > 0 else None
+    return out

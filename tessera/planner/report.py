@@ -1,0 +1,200 @@
+"""Text tables, a SuperGCN-Table-5-style comparison, a PNG plot and JSON of simulated runs.
+
+A *run* is ``{"vol": simulate_volumes(...), "proj": project(vol, model)}`` for one P.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tessera.files import atomic_write
+from tessera.planner.model import CommModel
+
+MB = 1e6
+
+
+def _public(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` without its ``_``-prefixed (non-JSON) keys."""
+    return {k: v for k, v in d.items() if not k.startswith("_")}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _fmt_x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+# ---------------------------------------------------------------------------------------- tables
+def format_table(runs: list[dict[str, Any]]) -> str:
+    """Per P, mode and bits: MB per training epoch (all ranks), the busiest sender's MB, projected
+    communication time per epoch and its speedup over fp32 post."""
+    head = f"{'P':>5}  {'mode':<8} {'bits':>4}  {'total MB/epoch':>14}  {'busiest rank MB':>15}  {'comm ms/epoch':>13}  {'vs fp32 post':>12}"
+    lines = [head, "-" * len(head)]
+    for run in runs:
+        vol, proj = run["vol"], run["proj"]
+        for mode, per_mode in vol["modes"].items():
+            for bits, v in per_mode["bits"].items():
+                t = proj[mode][bits]
+                lines.append(
+                    f"{vol['parts']:>5}  {mode:<8} {bits:>4}  {v['epoch']['bytes'] / MB:>14.3f}  "
+                    f"{v['epoch']['max_rank_bytes'] / MB:>15.3f}  {t['epoch']['time_s'] * 1e3:>13.3f}  "
+                    f"{_fmt_x(t['speedup_vs_fp32_post']):>12}"
+                )
+    return "\n".join(lines)
+
+
+def table5(run: dict[str, Any], layer: int = 0) -> dict[str, Any]:
+    """SuperGCN Table 5 for one layer's forward exchange: pre / post / prepost at fp32 and prepost
+    at the lowest simulated bit width (data and parameters apart), with reduction factors."""
+    vol, proj = run["vol"], run["proj"]
+    modes = vol["modes"]
+    low = min(min(m["bits"]) for m in modes.values())
+    out: dict[str, Any] = {"parts": vol["parts"], "layer": layer, "width": vol["widths"][layer], "rows": {}}
+    for mode, per_mode in modes.items():
+        for bits in sorted({32, low} & set(per_mode["bits"])):
+            d = per_mode["bits"][bits]["layers"][layer]["forward"]
+            t = proj[mode][bits]["layers"][layer]["forward"]
+            out["rows"][f"{mode}/{bits}"] = {
+                "rows": d["rows"],
+                "data_MB": d["data_bytes"] / MB,
+                "params_MB": d["param_bytes"] / MB,
+                "MB": d["bytes"] / MB,
+                "time_ms": t["time_s"] * 1e3,
+            }
+    r = out["rows"]
+    get = lambda key, f="MB": r[key][f] if key in r else None  # noqa: E731
+    pp = get("prepost/32")
+    out["low_bits"] = low
+    out["pre_over_prepost"] = _ratio(get("pre/32"), pp)
+    out["post_over_prepost"] = _ratio(get("post/32"), pp)
+    if low < 32:
+        q = get(f"prepost/{low}")
+        out["prepost_fp32_over_quant"] = _ratio(pp, q)
+        out["pre_fp32_over_prepost_quant"] = _ratio(get("pre/32"), q)
+    epoch = {}
+    for mode, per_mode in modes.items():
+        if 32 in per_mode["bits"] and low < 32:
+            a, b = per_mode["bits"][32]["epoch"]["bytes"], per_mode["bits"][low]["epoch"]["bytes"]
+            epoch[mode] = {"fp32_MB": a / MB, "quant_MB": b / MB, "ratio": _ratio(a, b)}
+    out["epoch"] = epoch
+    return out
+
+
+def format_table5(run: dict[str, Any], layer: int = 0) -> str:
+    """:func:`table5` as text, laid out like SuperGCN's Table 5."""
+    t = table5(run, layer)
+    vol = run["vol"]
+    low = t["low_bits"]
+    lines = [
+        f"Table-5-style: {vol['dataset']}, P={t['parts']}, layer {layer} forward exchange (width {t['width']})",
+        f"{'method':<28} {'rows':>10} {'volume MB':>12} {'time ms':>10}",
+    ]
+    for key, row in t["rows"].items():
+        mode, bits = key.split("/")
+        if bits == "32":
+            lines.append(f"{mode + ' (fp32)':<28} {row['rows']:>10,} {row['MB']:>12.3f} {row['time_ms']:>10.3f}")
+    q = t["rows"].get(f"prepost/{low}") if low < 32 else None
+    if q is not None:
+        name = f"prepost + Int{low}"
+        lines.append(f"{name + ' data':<28} {q['rows']:>10,} {q['data_MB']:>12.3f} {'':>10}")
+        lines.append(f"{name + ' params':<28} {'':>10} {q['params_MB']:>12.3f} {'':>10}")
+        lines.append(f"{name + ' total':<28} {'':>10} {q['MB']:>12.3f} {q['time_ms']:>10.3f}")
+    red = [("pre/prepost", t["pre_over_prepost"]), ("post/prepost", t["post_over_prepost"])]
+    if q is not None:
+        red += [
+            (f"prepost fp32 / prepost+Int{low} (params included)", t["prepost_fp32_over_quant"]),
+            (f"pre fp32 / prepost+Int{low}", t["pre_fp32_over_prepost_quant"]),
+        ]
+    shown = [f"{name} {_fmt_x(r)}" for name, r in red if r is not None]
+    if shown:
+        lines.append("bytes reduction: " + "; ".join(shown))
+    if t["epoch"]:
+        lines.append(
+            f"per training epoch, fp32 -> Int{low} (params included): "
+            + "; ".join(
+                f"{m} {e['fp32_MB']:.2f} -> {e['quant_MB']:.2f} MB ({_fmt_x(e['ratio'])})"
+                for m, e in t["epoch"].items()
+            )
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- plot
+def write_plot(runs: list[dict[str, Any]], path: str | Path) -> Path:
+    """PNG of total MB per epoch and projected communication ms per epoch versus P (log axes), one
+    line per mode and bit width, written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
+
+    runs = sorted(runs, key=lambda r: r["vol"]["parts"])
+    ps = [r["vol"]["parts"] for r in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    first = runs[0]["vol"]
+    colors = {"pre": "tab:blue", "post": "tab:orange", "prepost": "tab:green"}
+    markers = {"pre": "s", "post": "o", "prepost": "^"}  # pre and post coincide on symmetric graphs
+    for mode, per_mode in first["modes"].items():
+        for bits in per_mode["bits"]:
+            label = f"{mode} {'fp32' if bits == 32 else f'int{bits}'}"
+            style = dict(
+                color=colors.get(mode),
+                linestyle="-" if bits == 32 else "--",
+                marker=markers.get(mode, "o"),
+                label=label,
+            )
+            a.plot(ps, [r["vol"]["modes"][mode]["bits"][bits]["epoch"]["bytes"] / MB for r in runs], **style)
+            b.plot(ps, [r["proj"][mode][bits]["epoch"]["time_s"] * 1e3 for r in runs], **style)
+    for ax, title, ylab in (
+        (a, "volume per training epoch", "MB (all ranks)"),
+        (b, "projected comm time (Eq. 6)", "ms per epoch"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ps, [str(p) for p in ps])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel("parts P")
+        ax.set_ylabel(ylab)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(f"{first['dataset']}: {first['model']} hidden {first['hidden']}, {first['layers']} layers")
+    fig.tight_layout()
+    path = Path(path)
+    try:
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- JSON
+def _merge(vol_bits: dict[str, Any], proj_bits: dict[str, Any]) -> dict[str, Any]:
+    """Volumes and projected times of one mode and bit width in one tree."""
+    layers = []
+    for v, t in zip(vol_bits["layers"], proj_bits["layers"]):
+        la = {"layer": v["layer"], "width": v["width"]}
+        for d in ("forward", "backward"):
+            la[d] = None if v[d] is None else {**v[d], "model": t[d]}
+        layers.append(la)
+    extra = {k: v for k, v in proj_bits.items() if k not in ("layers", "epoch")}
+    return {"layers": layers, "epoch": {**vol_bits["epoch"], "model": proj_bits["epoch"]}, **extra}
+
+
+def to_json(runs: list[dict[str, Any]], model: CommModel, plot: str | None = None, layer: int = 0) -> str:
+    """Every number of the tables (and per exchange detail) as JSON."""
+    out = []
+    for run in runs:
+        vol, proj = run["vol"], run["proj"]
+        modes = {}
+        for mode, per_mode in vol["modes"].items():
+            bits = {str(b): _merge(v, proj[mode][b]) for b, v in per_mode["bits"].items()}
+            modes[mode] = {**{k: v for k, v in per_mode.items() if k != "bits"}, "bits": bits}
+        out.append({**_public(vol), "modes": modes, "table5": table5(run, layer)})
+    doc = {"model": model.to_dict(), "runs": out, "plot": plot}
+    return json.dumps(doc, indent=1, sort_keys=False)

@@ -1,0 +1,28 @@
+"""The primitives layers are written in: aggregate (and its masked S-SpMM forms), edge scores,
+edge softmax and fused GAT attention, dropout and linear, all over an :class:`Operand`."""
+
+from tessera.sparse.aggregate import aggregate, inv_in_degree
+from tessera.sparse.attention import edge_score, edge_softmax
+from tessera.sparse.attention_kernels import gat_attention
+from tessera.sparse.dropout import dropout
+from tessera.sparse.linear import linear
+from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
+from tessera.sparse.operand import GraphOperand, Operand, as_operand
+from tessera.sparse.spec import LayerSpec
+
+__all__ = [
+    "GraphOperand",
+    "LayerSpec",
+    "Operand",
+    "aggregate",
+    "as_operand",
+    "dropout",
+    "dropout_aggregate",
+    "edge_score",
+    "edge_softmax",
+    "gat_attention",
+    "inv_in_degree",
+    "linear",
+    "masked_aggregate",
+    "masked_spmm_t",
+]

@@ -1,0 +1,107 @@
+"""The aggregation primitive: weighted sum or mean over each vertex's in-edges, with autograd."""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.errors import ConfigError
+from tessera.graph.csr import CSRStructure
+from tessera.memo import PlanCache
+from tessera.sparse.operand import Operand, as_operand
+
+REDUCES = ("sum", "mean")
+_inv_degree = PlanCache()
+
+
+def inv_in_degree(operand: Operand | CSRStructure, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``1 / in_degree`` per output row, 0 for rows without in-edges (PyG's scatter-mean)."""
+    a = as_operand(operand)
+
+    def make() -> torch.Tensor:
+        d = a.in_degree().to(dtype)
+        return torch.where(d > 0, 1.0 / d.clamp(min=1), torch.zeros_like(d))
+
+    # keyed by the degree tensor, which every variant of one operand shares
+    return _inv_degree.get(a.in_degree(), dtype, make)
+
+
+def scale_rows(t: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """``t`` with row ``i`` multiplied by ``s[i]`` (``t`` unchanged when ``s`` is None)."""
+    return t if s is None else t * s.view(-1, *([1] * (t.dim() - 1)))
+
+
+def check_reduce(reduce: str) -> None:
+    """Raise :class:`ConfigError` unless ``reduce`` is ``sum`` or ``mean``."""
+    if reduce not in REDUCES:
+        raise ConfigError(f"unknown reduce {reduce!r}; choose from {', '.join(REDUCES)}")
+
+
+def keep_of(mask: torch.Tensor) -> torch.Tensor:
+    """A bool or integer mask as bool (non-zero keeps)."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+class AggregateFn(torch.autograd.Function):
+    """``(diag(row_scale) A x) ⊙ out_mask`` with autograd, ``A`` the operand's values or ``weight``.
+
+    ``out_mask`` (S-SpMM) computes only the outputs it keeps; ``grad_mask`` computes only the
+    entries of ``x``'s gradient it keeps. Either may be None."""
+
+    @staticmethod
+    def forward(ctx, x, weight, a: Operand, row_scale, out_mask, grad_mask):
+        if out_mask is None:
+            out = scale_rows(a.spmm(x, weight), row_scale)
+        else:
+            out = a.masked_spmm(x, out_mask, weight, row_scale, False)
+        ctx.a, ctx.row_scale, ctx.out_mask, ctx.grad_mask = a, row_scale, out_mask, grad_mask
+        ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        a = ctx.a
+        if ctx.out_mask is not None:
+            g = torch.where(keep_of(ctx.out_mask), g, 0.0)
+        g = scale_rows(g, ctx.row_scale)
+        gx = None
+        if ctx.needs_input_grad[0] and ctx.grad_mask is not None:
+            gx = a.masked_spmm(g, ctx.grad_mask, weight, None, True)
+        elif ctx.needs_input_grad[0]:
+            gx = a.spmm_t(g, weight)
+        gw = a.sddmm_dot(g, x) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None, None
+
+
+def aggregate(
+    operand: Operand | CSRStructure,
+    x: torch.Tensor,
+    reduce: str = "sum",
+    weight: torch.Tensor | None = None,
+    backend: str = "auto",
+    *,
+    grad_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[i] = reduce_{e=(j->i)} v_e * x[j]`` over in-edges; ``x`` is ``(N, F)`` or ``(N, H, F)``.
+
+    ``v`` is ``weight`` (``(E,)`` or ``(E, H)`` in CSR order) when given, else the operand's values;
+    a :class:`~tessera.graph.Graph` or CSR matrix counts as its unweighted single-process operand on
+    ``backend``. Mean divides by the in-edge count.
+
+    ``grad_mask`` (bool, ``x``'s shape) makes the backward an S-SpMM: only the entries of ``x``'s
+    gradient that the mask keeps are computed, the rest are zero. Pass it when an element-wise
+    op whose backward zeroes those entries anyway produced ``x`` (ReLU then dropout: ``x != 0``)."""
+    check_reduce(reduce)
+    a = as_operand(operand, backend)
+    if x.shape[0] != a.num_cols:
+        raise ValueError(f"x has {x.shape[0]} rows but the operand has {a.num_cols} source vertices")
+    if weight is not None:
+        edges = a.edge_structure().num_edges
+        if weight.shape[0] != edges:
+            raise ValueError(f"weight has {weight.shape[0]} entries but the graph has {edges} edges")
+    if grad_mask is not None and (grad_mask.shape != x.shape or grad_mask.dtype != torch.bool):
+        raise ValueError(
+            f"grad_mask must be bool with x's shape {tuple(x.shape)}, got {grad_mask.dtype} {tuple(grad_mask.shape)}"
+        )
+    row_scale = inv_in_degree(a, x.dtype) if reduce == "mean" else None
+    return AggregateFn.apply(x, weight, a, row_scale, None, grad_mask)

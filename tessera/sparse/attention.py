@@ -1,0 +1,25 @@
+"""Edge-wise primitives for attention layers: SDDMM-style edge scores and per-destination softmax."""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.graph.csr import CSRStructure
+
+
+def edge_score(graph: CSRStructure, a_src: torch.Tensor, a_dst: torch.Tensor) -> torch.Tensor:
+    """Per-edge ``a_src[j] + a_dst[i]`` for every edge ``j -> i`` in CSR order (``(E,)`` or ``(E, H)``)."""
+    return a_src.index_select(0, graph.src_index()) + a_dst.index_select(0, graph.dst_index())
+
+
+def edge_softmax(graph: CSRStructure, scores: torch.Tensor) -> torch.Tensor:
+    """Softmax of edge scores over the in-edges of each destination vertex."""
+    dst = graph.dst_index()
+    shape = (graph.num_rows, *scores.shape[1:])
+    # The max only stabilises the exponent; detaching it leaves the softmax's gradient unchanged.
+    rowmax = torch.full(shape, float("-inf"), dtype=scores.dtype).scatter_reduce(
+        0, dst.view(-1, *([1] * (scores.dim() - 1))).expand_as(scores), scores.detach(), "amax", include_self=True
+    )
+    ex = torch.exp(scores - rowmax.index_select(0, dst))
+    denom = torch.zeros(shape, dtype=scores.dtype).index_add_(0, dst, ex)
+    return ex / denom.index_select(0, dst)

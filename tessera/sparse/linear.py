@@ -1,0 +1,78 @@
+"""Dense ``x W^T + b`` on oneDNN's fp32 GEMM where torch offers it, with autograd.
+
+torch 2.13's CPU ``mm`` goes to MKL, which picks its kernels by CPU vendor; the oneDNN kernel
+behind ``torch.ops.mkldnn._linear_pointwise`` picks them by instruction set and, on an AMD
+EPYC with AVX-512 (the machine of ``benchmarks/RESULTS.md``), runs the same full-precision fp32 products about twice as fast
+(``benchmarks/bench_dense.py``; numbers in ``benchmarks/RESULTS.md``). The weight gradient (a
+reduction over all rows) stays on MKL, which measured faster for that shape. Other devices,
+dtypes and torch builds without the op use ``torch.nn.functional.linear``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tessera.sparse.sparsity import sparse_rows
+
+_LP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+_enabled: bool | None = None
+
+
+def _usable(*ts: torch.Tensor) -> bool:
+    global _enabled
+    if _enabled is None:
+        _enabled = _probe()
+    return _enabled and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 for t in ts)
+
+
+def _probe() -> bool:
+    # The op exists only in builds with oneDNN; check it once on a small product.
+    if _LP is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        # no random numbers: drawing them would move torch's generator and so every later seed
+        a, w = torch.arange(15.0).view(5, 3).sin(), torch.arange(12.0).view(4, 3).cos()
+        return bool(torch.allclose(_LP(a, w, None, "none", [], ""), a @ w.t(), rtol=1e-5, atol=1e-6))
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _mm_t(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ w.T + b`` on oneDNN (``a`` and ``w`` contiguous)."""
+    return _LP(a.contiguous(), w.contiguous(), b, "none", [], "")
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _mm_t(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g = g.contiguous()
+        gx = _mm_t(g, weight.t()) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            # When most rows of g are zero (a loss on the training vertices only), the weight
+            # gradient, a reduction over rows on MKL, needs only the others. The input gradient
+            # stays one oneDNN product: scattering its live rows into zeros measured slower.
+            live = sparse_rows(g)
+            if live is None:
+                gw = g.t().mm(x)
+            else:
+                rows = torch.from_numpy(np.flatnonzero(live))
+                gw = g.index_select(0, rows).t().mm(x.index_select(0, rows))
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` like ``torch.nn.functional.linear``, on oneDNN for 2-D float32 CPU inputs."""
+    if _usable(x, weight):
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,339 @@
+"""The full-graph training loop: every vertex in every epoch, Adam, early stopping, exact resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tessera.comm.group import Comm, env_world_size, single_process
+from tessera.errors import ConfigError, DistributedError
+from tessera.files import write_json
+from tessera.graph import Graph
+from tessera.threads import set_num_threads
+from tessera.train.allocator import retain_freed_memory
+from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+from tessera.train.config import TrainConfig
+from tessera.train.setup import prepare
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+RESULT = "result.json"
+PLOT = "curves.png"
+# Settings that must agree between a checkpoint and the run resuming from it.
+_RESUME_KEYS = (
+    "model",
+    "hidden",
+    "layers",
+    "dropout",
+    "heads",
+    "lr",
+    "weight_decay",
+    "seed",
+    "feature_norm",
+    "patience",
+)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def default_out_dir(cfg: TrainConfig) -> Path:
+    """``runs/<model>-<dataset>-s<seed>`` when ``--out`` is not given."""
+    ds = "".join(c if c.isalnum() or c in "-_." else "-" for c in cfg.dataset.split("/")[-1] or "data")
+    return Path("runs") / f"{cfg.model}-{ds}-s{cfg.seed}"
+
+
+class Trainer:
+    """Trains one model on one graph (or, in a distributed job, on this rank's part of it);
+    ``fit()`` returns the result dict also written to ``result.json``."""
+
+    def __init__(self, cfg: TrainConfig, graph: Graph | dict[str, Any], comm: Comm | None = None) -> None:
+        cfg.validate()
+        retain_freed_memory()
+        self.cfg = cfg
+        self.comm = comm or single_process()
+        self.is_main = self.comm.rank == 0
+        if cfg.threads:
+            set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        run = prepare(cfg, graph, self.comm)
+        self.model, self.operands, self.order, self.counts = run.model, run.operands, run.order, run.counts
+        shard = run.shard
+        self.x, self.y, self.global_ids = run.x, shard.y, shard.ids
+        self.idx = {k: m.nonzero().view(-1) for k, m in shard.masks.items()}
+        self.info = (shard.name, shard.num_nodes, shard.num_edges)
+        self._fingerprint = shard.fingerprint
+        self.log = run.strategy.log
+        self.comm_totals: dict[str, Any] = {}
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
+        self.epoch = 0
+        self.best: dict[str, Any] = {"val_acc": -1.0, "val_loss": float("inf"), "epoch": 0, "state": None}
+        self.bad_epochs = 0
+        self.history: list[dict[str, float]] = []
+
+    def fingerprint(self) -> str:
+        """Fingerprint of the graph as the caller numbered it (what checkpoints are tied to)."""
+        return self._fingerprint
+
+    def train_step(self) -> float:
+        """Forward over all vertices, loss on the train split, backward, Adam step; returns the loss."""
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        tr, rows, n_loss = self.idx["train"], None, self.counts["train"]
+        if self.cfg.label_prop > 0:
+            # Masked label propagation: a random share of training labels become input features
+            # and only the other training vertices enter the loss. The draw is over global vertex
+            # ids, so it does not depend on how the graph is partitioned.
+            gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.epoch)
+            chosen = torch.rand(self.info[1], generator=gen)[self.global_ids[tr]] < self.cfg.label_prop
+            rows, tr = tr[chosen], tr[~chosen]
+            n_loss = int(self.comm.all_reduce_sum(torch.tensor([tr.numel()]))[0])
+        if self.log is not None:
+            self.log.start_forward("train")
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows])
+        # The sum over this rank's training vertices divided by the global count: summed over ranks
+        # it is exactly the single-process mean loss, and so are the all-reduced gradients.
+        loss = F.cross_entropy(logits[tr], self.y[tr], reduction="sum") / max(n_loss, 1)
+        loss.backward()
+        if self.comm.world > 1:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            flat = self.comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self.opt.step()
+        return float(self.comm.all_reduce_sum(loss.detach().clone()))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy on each split and the validation loss, in eval mode (no dropout), over all ranks."""
+        self.model.eval()
+        if self.log is not None:
+            self.log.start_forward("eval")
+        rows = self.idx["train"] if self.cfg.label_prop > 0 else None  # evaluation sees every training label
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows])
+        pred = logits.argmax(1)
+        sums = [(pred[i] == self.y[i]).sum().to(torch.float64) for i in self.idx.values()]
+        vi = self.idx["val"]
+        sums.append(F.cross_entropy(logits[vi], self.y[vi], reduction="sum").to(torch.float64))
+        tot = self.comm.all_reduce_sum(torch.stack(sums))
+        res = {f"{k}_acc": float(tot[n] / self.counts[k]) if self.counts[k] else 0.0 for n, k in enumerate(self.idx)}
+        res["val_loss"] = float(tot[3] / max(self.counts["val"], 1))
+        return res
+
+    @torch.no_grad()
+    def predict(self) -> torch.Tensor:
+        """Logits of every vertex with the current weights (eval mode), rows in the caller's vertex
+        order (on a rank of a distributed run: its owned vertices, ``global_ids``)."""
+        self.model.eval()
+        rows = self.idx["train"] if self.cfg.label_prop > 0 else None
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows])
+        return logits if self.order is None else self.order.to_original(logits)
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """Everything needed to continue this run bit-for-bit."""
+        return {
+            "format": 1,
+            "config": self.cfg.to_dict(),
+            "graph": self.fingerprint(),
+            "epoch": self.epoch,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "rng": torch.get_rng_state(),
+            "best": self.best,
+            "bad_epochs": self.bad_epochs,
+            "history": self.history,
+        }
+
+    def load_state(self, ckpt: dict[str, Any]) -> None:
+        """Restore a checkpoint written by :meth:`state`, after checking it belongs to this run."""
+        if ckpt.get("graph") != self.fingerprint():
+            raise ConfigError(
+                f"checkpoint in {self.out} was written for a different graph; use another --out or drop --resume"
+            )
+        old = ckpt["config"]
+        for k in _RESUME_KEYS:
+            if old.get(k) != getattr(self.cfg, k):
+                raise ConfigError(
+                    f"checkpoint in {self.out} has {k}={old.get(k)!r} but this run has {getattr(self.cfg, k)!r}; "
+                    "use the same settings or another --out"
+                )
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"])
+        self.epoch, self.best, self.bad_epochs = ckpt["epoch"], ckpt["best"], ckpt["bad_epochs"]
+        self.history = list(ckpt["history"])
+
+    def _checkpoint(self) -> None:
+        if self.is_main:
+            save_checkpoint(self.out / CHECKPOINT, self.state())
+
+    def _start_metrics(self) -> Any:
+        # Rewrite the file from the checkpoint's history so lines past the checkpoint vanish.
+        if not self.is_main:
+            return open(os.devnull, "w")
+        path = self.out / METRICS
+        with open(path, "w") as f:
+            for rec in self.history:
+                f.write(json.dumps(rec) + "\n")
+        return open(path, "a")
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, Any]:
+        """Train until ``epochs`` or early stopping, restore the best-validation weights, test."""
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        ckpt_path = self.out / CHECKPOINT
+        if cfg.resume and ckpt_path.exists():
+            self.load_state(load_checkpoint(ckpt_path))
+        metrics = self._start_metrics()
+        stopped = self.bad_epochs >= cfg.patience > 0
+        bar = tqdm(
+            total=cfg.epochs,
+            initial=self.epoch,
+            disable=not cfg.progress,
+            desc="train",
+            unit="ep",
+            leave=True,
+            mininterval=0.5,
+        )
+        try:
+            while self.epoch < cfg.epochs and not stopped:
+                t0 = time.perf_counter()
+                loss = self.train_step()
+                step = time.perf_counter() - t0
+                self.epoch += 1
+                ev = self.evaluate()
+                rec = {"epoch": self.epoch, "train_loss": loss, **ev, "epoch_time_s": step}
+                if self.log is not None:
+                    rec["comm"] = self.log.gather(self.comm)
+                    self._add_comm(rec["comm"])
+                self.history.append(rec)
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                better = ev["val_acc"] > self.best["val_acc"] or (
+                    ev["val_acc"] == self.best["val_acc"] and ev["val_loss"] < self.best["val_loss"]
+                )
+                if better:
+                    state = copy.deepcopy(self.model.state_dict())
+                    self.best = {
+                        "val_acc": ev["val_acc"],
+                        "val_loss": ev["val_loss"],
+                        "epoch": self.epoch,
+                        "state": state,
+                    }
+                    self.bad_epochs = 0
+                else:
+                    self.bad_epochs += 1
+                stopped = cfg.patience > 0 and self.bad_epochs >= cfg.patience
+                if self.epoch % cfg.checkpoint_every == 0 or stopped or self.epoch == cfg.epochs:
+                    self._checkpoint()
+                bar.set_postfix(
+                    loss=f"{loss:.4f}",
+                    train=f"{ev['train_acc']:.3f}",
+                    val=f"{ev['val_acc']:.3f}",
+                    t=f"{step * 1e3:.1f}ms",
+                )
+                bar.update(1)
+        finally:
+            bar.close()
+            metrics.close()
+        return self._finish(stopped)
+
+    def _add_comm(self, epoch_comm: dict[str, Any]) -> None:
+        """Accumulate one epoch's bytes (per layer and direction) and bottleneck-rank times."""
+        t = self.comm_totals
+        for kind in ("bytes_data", "bytes_params"):
+            per = torch.tensor(epoch_comm[kind]).sum(dim=(2, 3))  # layer x direction
+            t[kind] = (torch.tensor(t[kind]) + per).tolist() if kind in t else per.tolist()
+        for name in ("exchange_s", "quantize_s", "compute_s"):
+            per = torch.tensor(epoch_comm[name]).amax(dim=2)  # slowest rank per layer x direction
+            t[name] = (torch.tensor(t[name]) + per).tolist() if name in t else per.tolist()
+        t["epochs"] = t.get("epochs", 0) + 1
+
+    def _finish(self, stopped: bool) -> dict[str, Any]:
+        if self.best["state"] is not None:
+            self.model.load_state_dict(self.best["state"])
+        final = self.evaluate()
+        times = [h["epoch_time_s"] for h in self.history]
+        result = {
+            "dataset": self.info[0],
+            "num_nodes": self.info[1],
+            "num_edges": self.info[2],
+            "best_epoch": self.best["epoch"],
+            "epochs_run": self.epoch,
+            "stopped_early": stopped,
+            "train_acc": final["train_acc"],
+            "val_acc": final["val_acc"],
+            "test_acc": final["test_acc"],
+            "epoch_time_median_s": statistics.median(times) if times else 0.0,
+            "peak_rss_mb": peak_rss_mb(),
+            "num_params": sum(p.numel() for p in self.model.parameters()),
+            "vertex_order": "none" if self.order is None else self.order.method,
+            "config": self.cfg.to_dict(),
+        }
+        if not self.is_main:
+            return {}
+        result["world_size"] = self.comm.world
+        if self.comm_totals:
+            result["comm"] = self.comm_totals
+        write_json(self.out / RESULT, result)
+        if self.cfg.plot:
+            from tessera.train.plot import plot_curves
+
+            plot_curves(self.history, self.out / PLOT, title=f"{self.cfg.model} on {self.info[0]}")
+        return result
+
+
+def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
+    """Load ``cfg.dataset`` (unless a graph is given), train, and return the result dict.
+
+    Inside a distributed job (``WORLD_SIZE`` > 1, from ``tessera train --nprocs`` or torchrun)
+    every rank runs this; each trains its partition and rank 0 writes the outputs."""
+    if graph is None and not cfg.parts_dir:
+        from tessera.datasets import load
+
+        graph = load(cfg.dataset, name=cfg.name)
+    if env_world_size() <= 1 and not cfg.parts_dir:
+        return Trainer(cfg, graph).fit()
+    from tessera.comm.group import init_from_env, shutdown
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        cfg.resume = True  # a restarted torchrun worker continues from the last checkpoint
+    world, rank = env_world_size(), int(os.environ.get("RANK", "0"))
+    part = None
+    if cfg.parts_dir:  # each rank reads only its own part file, before joining: a bad file fails alone
+        from tessera.graph.partition import load_part
+
+        part = load_part(cfg.parts_dir, rank, expect_parts=world)
+    comm = single_process()
+    try:
+        if world > 1:
+            comm = init_from_env(cfg.timeout)
+        result = Trainer(cfg, graph if part is None else part, comm).fit()
+    except RuntimeError as e:  # gloo/NCCL: a peer died, hung past --timeout, or broke the exchange
+        shutdown(clean=False)
+        if os.environ.get("TESSERA_DEBUG"):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(f"rank {rank}: a collective failed ({first[:200]}); a peer died or timed out") from None
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown(clean=True)
+    return result

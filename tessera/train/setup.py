@@ -1,0 +1,98 @@
+"""Everything a training run prepares before its first epoch: the features, the model, the
+parallel strategy and this rank's rows, the vertex order, and the split sizes."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera.backends.ordering import resolve
+from tessera.comm.group import Comm
+from tessera.graph import Graph
+from tessera.graph.order import VertexOrder
+from tessera.nn import build_model
+from tessera.nn.models import GNN
+from tessera.parallel import Shard, Strategy, StrategyOptions, make_strategy
+from tessera.parallel.base import SPLITS
+from tessera.sparse import Operand
+from tessera.train.config import TrainConfig
+
+
+def prepare_features(x: torch.Tensor, mode: str, non_negative: bool | None = None) -> torch.Tensor:
+    """Node features for training: row-normalised (Kipf & Welling) for ``row``, and for ``auto``
+    when every feature is non-negative (bag-of-words style; ``non_negative`` overrides the check,
+    for a rank that sees only its rows); unchanged otherwise."""
+    if non_negative is None:
+        non_negative = bool((x >= 0).all())
+    if mode == "row" or (mode == "auto" and non_negative):
+        s = x.sum(1, keepdim=True)
+        x = x / torch.where(s == 0, torch.ones_like(s), s)
+    return x
+
+
+@dataclass
+class Setup:
+    """One rank's prepared run. ``shard`` holds the rows it trains in training order (``shard.ids``
+    maps them to the caller's vertex ids); ``operands`` has one entry per model layer."""
+
+    shard: Shard
+    x: torch.Tensor
+    model: GNN
+    strategy: Strategy
+    operands: list[Operand]
+    order: VertexOrder | None
+    counts: dict[str, int]  # global split sizes
+
+
+def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
+    if isinstance(source, Graph):
+        source.require("x", "y", "train_mask", "val_mask", "test_mask")
+        return source.num_features, int(source.num_classes)
+    return int(source["x"].shape[1]), int(source.get("meta", {}).get("num_classes"))
+
+
+def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Setup:
+    """Build the model, split the graph (``source`` is the whole graph, or this rank's part file
+    from ``tessera partition --out``) and prepare features, order and operands for ``cfg``."""
+    distributed = comm.world > 1 or not isinstance(source, Graph)
+    in_dim, classes = _dims(source)
+    model = build_model(
+        cfg.model,
+        in_dim,
+        cfg.hidden,
+        classes,
+        cfg.layers,
+        cfg.dropout,
+        heads=cfg.heads,
+        backend=cfg.backend,
+        norm=cfg.norm,
+        label_classes=classes if cfg.label_prop > 0 else 0,
+        s_spmm=cfg.s_spmm,
+    )
+    specs = model.describe()
+    options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits)
+    strategy = make_strategy("partition" if distributed else "single", comm, options)
+    strategy.check(specs)
+    if distributed and cfg.reorder not in ("auto", "none") and comm.rank == 0:
+        warnings.warn(f"--reorder {cfg.reorder} is ignored in distributed runs", RuntimeWarning, stacklevel=3)
+    order = None
+    if not isinstance(source, Graph):
+        shard = strategy.shard_from_part(source)
+    elif distributed:
+        shard = strategy.shard(source)
+    else:
+        method = resolve(source, cfg.reorder, [s.aggregate_width for s in specs], cfg.backend)
+        if method != "none":
+            order = VertexOrder.of(source, method, max(s.aggregate_width for s in specs))
+        shard = strategy.shard(source if order is None else order.permute(source))
+        if order is not None:  # train in the new numbering; everything user-visible keeps the caller's
+            shard.ids, shard.fingerprint = order.perm, source.fingerprint()
+    # Global facts are sums over ranks: split sizes, and whether any feature is negative.
+    local = torch.tensor([float(shard.masks[k].sum()) for k in SPLITS] + [float((shard.x < 0).sum())])
+    total = comm.all_reduce_sum(local)
+    x = prepare_features(shard.x, cfg.feature_norm, non_negative=bool(total[3] == 0))
+    operands = [strategy.operand(spec, i) for i, spec in enumerate(specs)]
+    return Setup(shard, x, model, strategy, operands, order, {k: int(total[i]) for i, k in enumerate(SPLITS)})
