@@ -24,7 +24,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 from torch.autograd.function import once_differentiable
 
-from tessera.graph.csr import CSRStructure
+from tessera.graph.csr import CSRStructure, rows_of
 from tessera.memo import PlanCache
 from tessera.sparse.attention import edge_score, edge_softmax
 from tessera.threads import sync_numba_threads
@@ -58,7 +58,7 @@ def _make_plan(indptr: torch.Tensor, threads: int, chunk: int) -> _Plan:
     counts = (deg[rows] + chunk - 1) // chunk
     piece_ptr = np.zeros(rows.size + 1, np.int64)
     np.cumsum(counts, out=piece_ptr[1:])
-    owner = np.repeat(np.arange(rows.size), counts)
+    owner = rows_of(piece_ptr)
     lo = ip[rows][owner] + (np.arange(owner.size) - piece_ptr[owner]) * chunk
     hi = np.minimum(lo + chunk, ip[rows + 1][owner])
     # +1 per row: empty rows still cost a visit.
