@@ -137,6 +137,38 @@ def test_dropout_mask_is_the_documented_hash_of_seed_and_index():
     assert torch.equal(dropout(torch.ones(10), 1 - 2**-40), torch.zeros(10))
 
 
+@pytest.mark.parametrize("width", [37, 20_000])  # rows inside one hash block, and rows spanning blocks
+def test_dropout_keyed_by_row_ids_draws_the_whole_tensors_mask(width):
+    # Any split of the rows (ranks) in any order (a renumbering) draws, for each row, the mask the
+    # whole tensor draws for it, forward and backward; so does dropout_mask.
+    from tessera.sparse.dropout import dropout_mask
+
+    n = 300 if width < 1000 else 7
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, width, generator=gen, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(5)
+    whole = dropout(x, 0.3)
+    g = torch.randn(n, width, generator=gen, dtype=torch.float64)
+    (gx_whole,) = torch.autograd.grad(whole, x, g)
+    perm = torch.randperm(n, generator=gen)
+    for rows in (perm[: n // 3], perm[n // 3 :]):
+        torch.manual_seed(5)
+        part = x.detach()[rows].requires_grad_()
+        got = dropout(part, 0.3, rows=rows)
+        assert torch.equal(got, whole[rows])
+        (gx,) = torch.autograd.grad(got, part, g[rows])
+        assert torch.equal(gx, gx_whole[rows])
+        torch.manual_seed(5)
+        assert torch.equal(dropout_mask((rows.numel(), width), 0.3, rows), whole[rows] != 0)
+    torch.manual_seed(5)
+    xp = x.detach()[perm]
+    assert torch.equal(dropout(xp, 0.3, rows=perm), whole[perm])
+    torch.manual_seed(5)
+    assert not torch.equal(dropout(xp, 0.3), whole[perm])  # without ids the positions key it
+    with pytest.raises(ValueError, match="ids for"):
+        dropout(x, 0.3, rows=perm[:-1])
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("sparse_grad", [False, True])
 def test_linear_matches_torch_forward_and_backward(bias, sparse_grad, monkeypatch):

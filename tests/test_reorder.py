@@ -223,11 +223,14 @@ def _cfg(tmp_path, name, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def test_trainer_reorder_is_invisible_without_dropout(tmp_path):
+def test_trainer_reorder_is_invisible_with_dropout_and_label_propagation(tmp_path):
+    # Dropout masks and the label-propagation draw are keyed by the caller's vertex ids, so a
+    # renumbered run draws the same random numbers for the same vertices.
     g = load("synthetic:tiny")
-    ta = Trainer(_cfg(tmp_path, "a", dropout=0.0, reorder="none"), g)
+    kw = dict(dropout=0.5, label_prop=0.5, norm="layer")
+    ta = Trainer(_cfg(tmp_path, "a", reorder="none", **kw), g)
     ra = ta.fit()
-    tb = Trainer(_cfg(tmp_path, "b", dropout=0.0, reorder="metis"), g)
+    tb = Trainer(_cfg(tmp_path, "b", reorder="metis", **kw), g)
     rb = tb.fit()
     assert ra["vertex_order"] == "none" and rb["vertex_order"] == "metis"
     assert tb.order is not None and not torch.equal(tb.order.perm, torch.arange(g.num_nodes))
@@ -255,8 +258,8 @@ def test_trainer_reorder_same_accuracy_on_cora(planetoid_root, monkeypatch, tmp_
     for m in ("none", "metis"):
         cfg = TrainConfig(dataset="cora", hidden=16, epochs=100, out=str(tmp_path / m), progress=False, reorder=m)
         res[m] = Trainer(cfg, g).fit()["test_acc"]
-    # dropout masks are keyed by row position, so the runs differ only in their random stream
-    assert abs(res["metis"] - res["none"]) <= 0.015, res
+    # the same random draws per vertex: the runs differ by rounding only (one test vertex = 0.001)
+    assert abs(res["metis"] - res["none"]) <= 0.002, res
     assert min(res.values()) > 0.79, res  # GCN on Cora: about 81 %
 
 

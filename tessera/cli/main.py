@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="hide the progress bar")
     t.add_argument("--config", help="TOML file of settings named like the flags; flags override it")
     t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")
+    t.add_argument(
+        "--strategy",
+        help="partition | tensor: how --nprocs ranks split a layer (halo exchange, or MixGCN's feature split; "
+        "default partition)",
+    )
     t.add_argument("--remote-agg", help="post | pre | prepost: how remote in-edges are aggregated (default prepost)")
     t.add_argument("--partition", help="metis | range | random (default metis)")
     t.add_argument(

@@ -106,3 +106,14 @@ class Exchange:
         with Timer(self.log, p.layer, p.direction, "quantize_s"):
             decode(p.out, width, self.bits, p.recv, out=rows)
         return rows.view(rows.shape[0], *p.shape).to(p.dtype)
+
+
+def all_to_all_flat(comm: Comm, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+    """One synchronous ``all_to_all`` of a flat buffer: ``send_sizes[q]`` elements go to rank
+    ``q`` (blocks in rank order), ``recv_sizes[p]`` come from rank ``p``; returns the received ones."""
+    out = send.new_empty(sum(recv_sizes))
+    if comm.world == 1:
+        out.copy_(send)
+    else:
+        dist.all_to_all_single(out, send.contiguous(), output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+    return out

@@ -20,8 +20,8 @@ the fastest only when it beats the original numbering by a margin. Orders are ke
 memory and on disk beside the partition cache (``$TESSERA_CACHE/orders``).
 
 The trainer (``--reorder``) trains in the new numbering and maps everything user-visible back.
-tessera's dropout hashes the element position, so a renumbered run drops different vertices than
-an unnumbered one with the same seed: an equally distributed, but different, random stream.
+Dropout masks are keyed by the caller's vertex ids (``tessera.sparse.dropout``'s ``rows``), so a
+renumbered run draws the same masks for the same vertices as an unnumbered one.
 """
 
 from __future__ import annotations

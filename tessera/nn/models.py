@@ -14,8 +14,7 @@ from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
 from tessera.nn.conv.base import GraphConv, SSpmmHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec
-from tessera.sparse.dropout import dropout_with_mask
-from tessera.sparse.masked import dropout_mask
+from tessera.sparse.dropout import dropout_mask, dropout_with_mask
 
 
 class GNN(nn.Module):
@@ -64,10 +63,13 @@ class GNN(nn.Module):
         graph: GraphOperand | Sequence[GraphOperand],
         label_rows: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for every vertex from features ``x``; ``graph`` is one operand for every layer or
         a sequence of one per layer (a strategy may give each layer its own). With label
-        propagation the embedded ``labels`` are added to the input features of ``label_rows``."""
+        propagation the embedded ``labels`` are added to the input features of ``label_rows``.
+        ``rows`` are the global vertex ids of ``x``'s rows (None: their positions): dropout masks
+        are keyed by them, so every split and order of the vertices draws the same masks."""
         operands = list(graph) if isinstance(graph, Sequence) else [graph] * len(self.convs)
         if len(operands) != len(self.convs):
             raise ValueError(f"{len(operands)} operands for {len(self.convs)} layers")
@@ -86,7 +88,7 @@ class GNN(nn.Module):
             if self.norms is not None:
                 x = self.norms[i](x)
             x = (
-                sparse.dropout(x, self.dropout, self.training)
+                sparse.dropout(x, self.dropout, self.training, rows)
                 if keep is None
                 else dropout_with_mask(x, keep, self.dropout)
             )
@@ -94,7 +96,7 @@ class GNN(nn.Module):
             grad_mask = x != 0 if uses_in and i > 0 and self.act is F.relu and x.requires_grad else None
             keep = None
             if uses_out and i < last:
-                keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout)
+                keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout, rows)
             x = conv(x, operands[i], SSpmmHints(grad_mask, keep))
             if i < last:
                 x = self.act(x)

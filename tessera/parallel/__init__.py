@@ -5,6 +5,7 @@ from tessera.errors import ConfigError
 from tessera.parallel.base import Shard, Strategy, StrategyOptions
 from tessera.parallel.partition import PartitionStrategy
 from tessera.parallel.single import SingleStrategy
+from tessera.parallel.tensor import TensorStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {}
 
@@ -25,5 +26,6 @@ def make_strategy(name: str, comm: Comm, options: StrategyOptions) -> Strategy:
 
 register_strategy(SingleStrategy)
 register_strategy(PartitionStrategy)
+register_strategy(TensorStrategy)
 
 __all__ = ["STRATEGIES", "Shard", "Strategy", "StrategyOptions", "make_strategy", "register_strategy"]

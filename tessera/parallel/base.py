@@ -8,11 +8,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from tessera.comm.accounting import CommLog
+from tessera.comm.accounting import BACKWARD, FORWARD, CommLog
 from tessera.comm.group import Comm
 from tessera.graph import Graph
+from tessera.graph.partition import partition
 from tessera.sparse import LayerSpec, Operand
 
 SPLITS = ("train", "val", "test")
@@ -64,6 +66,38 @@ class StrategyOptions:
     partition: str = "metis"
     seed: int = 0
     comm_bits: int = 32
+
+
+def row_split(graph: Graph, comm: Comm, options: StrategyOptions) -> np.ndarray:
+    """The rank of every vertex (int64): rank 0 partitions (``options.partition``, seeded) and
+    broadcasts, so every rank holds the same split."""
+    part = torch.zeros(graph.num_nodes, dtype=torch.int64)
+    if comm.rank == 0:
+        part = torch.from_numpy(partition(graph, comm.world, options.partition, seed=options.seed).astype("int64"))
+    comm.broadcast(part)
+    return part.numpy()
+
+
+class ExchangeOperand(Operand):
+    """An operand whose product exchanges rows between ranks: both directions are one
+    :meth:`_product`, and per-edge values (attention) are refused, as ranks hold no whole edge list."""
+
+    @abstractmethod
+    def _product(self, h: torch.Tensor, direction: int) -> torch.Tensor:
+        """``A h`` (``direction`` FORWARD) or ``A^T h`` (BACKWARD) for this rank's rows."""
+
+    def spmm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if weight is not None:
+            self.edge_structure()
+        return self._product(x, FORWARD)
+
+    def spmm_t(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if weight is not None:
+            self.edge_structure()
+        return self._product(g, BACKWARD)
+
+    def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.edge_structure()  # raises: no rank holds every edge's endpoints
 
 
 class Strategy(ABC):

@@ -21,14 +21,13 @@ import numpy as np
 import torch
 
 from tessera.backends import local_operand
-from tessera.comm.accounting import BACKWARD, FORWARD, CommLog, Timer
+from tessera.comm.accounting import FORWARD, CommLog, Timer
 from tessera.comm.exchange import Exchange
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix, rows_of
-from tessera.graph.partition import partition
 from tessera.graph.partition.halo import RankPlan, build_rank_plan, plan_from_part
-from tessera.parallel.base import SPLITS, Shard, Strategy
+from tessera.parallel.base import SPLITS, ExchangeOperand, Shard, Strategy, row_split
 from tessera.sparse import LayerSpec, Operand
 
 
@@ -107,7 +106,7 @@ def _with_self_loops(indptr, cols, w, deg, in_weight, fill: float):
     return new_indptr, c[order], None if vals is None else vals[order].astype(np.float32), new_deg, new_in_weight
 
 
-class HaloOperand(Operand):
+class HaloOperand(ExchangeOperand):
     """Layer ``layer``'s operand on this rank: local product plus the halo exchange."""
 
     def __init__(self, plan: HaloPlan, layer: int, mats: HaloMatrices) -> None:
@@ -145,19 +144,6 @@ class HaloOperand(Operand):
             out = out + mul(last, received)
         return self._scaled(out)
 
-    def spmm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        if weight is not None:
-            self.edge_structure()
-        return self._product(x, FORWARD)
-
-    def spmm_t(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        if weight is not None:
-            self.edge_structure()
-        return self._product(g, BACKWARD)
-
-    def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.edge_structure()  # raises: per-edge values need one process
-
     def in_degree(self) -> torch.Tensor:
         return self.m.in_degree
 
@@ -189,13 +175,10 @@ class PartitionStrategy(Strategy):
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
         comm, opt = self.comm, self.options
-        part = torch.zeros(graph.num_nodes, dtype=torch.int64)
-        if comm.rank == 0:
-            part = torch.from_numpy(partition(graph, comm.world, opt.partition, seed=opt.seed).astype("int64"))
-        comm.broadcast(part)
+        part = row_split(graph, comm, opt)
         w = None if graph.edge_weight is None else graph.edge_weight.numpy()
         plan = build_rank_plan(
-            graph.indptr.numpy(), graph.indices.numpy(), w, part.numpy(), opt.remote_agg, comm.rank, world=comm.world
+            graph.indptr.numpy(), graph.indices.numpy(), w, part, opt.remote_agg, comm.rank, world=comm.world
         )
         owned = torch.from_numpy(plan.owned.astype(np.int64))
         in_weight = graph.in_degree()[owned].numpy().astype(np.float64)

@@ -1,5 +1,9 @@
 """Dropout whose mask is a counter-based hash of (seed, element index).
 
+The element index is the element's position in the whole tensor, or, when the rows are given
+global ids (``rows=``), ``rows[r] * width + column``: then any split of the rows over processes
+and any vertex order draws the mask one process draws in the original order.
+
 torch 2.13's CPU dropout spends most of its time drawing Bernoulli samples (about 56 ms for
 Cora's 2708 x 1433 input, more than a whole PyG epoch; measured in benchmarks/bench_small.py).
 Hashing the element index instead is branch-free, vectorises with AVX-512, gives the same mask
@@ -30,18 +34,32 @@ def block_key(seed_lo, seed_hi, start):
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _masked_scale(src, out, seed_lo, seed_hi, threshold, scale):
-    n = src.size
-    nblocks = (n + _BLOCK - 1) // _BLOCK
-    for b in numba.prange(nblocks):
-        start = b * _BLOCK
-        stop = min(n, start + _BLOCK)
-        key = block_key(seed_lo, seed_hi, start)
-        # Slices with a local index vectorise; indexing the whole array by the global index did
-        # not (measured 3x slower on 169k x 256).
-        a, o = src[start:stop], out[start:stop]
-        for i in range(stop - start):
-            o[i] = a[i] * scale if _element_hash(start + i, key) >= threshold else 0.0
+def _hashed(src, out, rows, has_rows, width, masking, seed_lo, seed_hi, threshold, scale):
+    # out = src * scale where an element's hash keeps it, else 0; with ``masking`` the keep flags
+    # themselves (src unused). The flat arrays are taken as rows of ``width`` elements whose
+    # global index starts at rows[r] * width (r * width without row ids; the last row may be
+    # short), hashed in blocks of _BLOCK global indices with one key per block.
+    n = np.int64(out.size)
+    for r in numba.prange((n + width - 1) // width):
+        lo = np.int64(r) * width
+        hi = min(n, lo + width)
+        g0 = (rows[r] if has_rows else np.int64(r)) * width
+        c = lo
+        while c < hi:
+            g = g0 + (c - lo)
+            start = (g // _BLOCK) * _BLOCK
+            stop = min(hi, c + (start + _BLOCK - g))
+            key = block_key(seed_lo, seed_hi, start)
+            o = out[c:stop]
+            if masking:
+                for i in range(stop - c):
+                    o[i] = _element_hash(g + i, key) >= threshold
+            else:
+                # slices with a local index vectorise; indexing by the global index did not
+                a = src[c:stop]
+                for i in range(stop - c):
+                    o[i] = a[i] * scale if _element_hash(g + i, key) >= threshold else 0.0
+            c = stop
 
 
 def keep_threshold(p: float) -> np.uint32 | None:
@@ -50,38 +68,62 @@ def keep_threshold(p: float) -> np.uint32 | None:
     return None if t >= 2**32 else np.uint32(t)
 
 
-def _apply(x: torch.Tensor, seed: int, p: float) -> torch.Tensor:
+_NO_ROWS = np.zeros(1, np.int64)
+
+
+def _run(src: torch.Tensor, out: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None, masking: bool) -> None:
+    """Fill ``out`` (``src``'s shape; bool when ``masking``) for drop probability ``p`` < 1."""
     sync_numba_threads()
-    x = x.contiguous()
-    threshold = keep_threshold(p)
-    if threshold is None:
-        return torch.zeros_like(x)
-    out = torch.empty_like(x)
+    width = _BLOCK
+    if rows is not None:
+        if rows.numel() != out.shape[0]:
+            raise ValueError(f"rows has {rows.numel()} ids for {out.shape[0]} rows")
+        width = max(1, out[0].numel()) if out.shape[0] else 1
+    flat = out.view(torch.uint8) if masking else out
     scale = 1.0 / (1.0 - p)
-    _masked_scale(
-        x.view(-1).numpy(),
-        out.view(-1).numpy(),
+    _hashed(
+        src.reshape(-1).numpy() if not masking else flat.reshape(-1).numpy(),
+        flat.reshape(-1).numpy(),
+        _NO_ROWS if rows is None else rows.to(torch.int64).contiguous().numpy(),
+        rows is not None,
+        np.int64(width),
+        masking,
         np.uint64(seed & 0xFFFFFFFF),
         np.uint64(seed >> 32),
-        threshold,
-        np.float32(scale) if x.dtype == torch.float32 else np.float64(scale),
+        keep_threshold(p),
+        np.float32(scale) if src.dtype == torch.float32 else np.float64(scale),
     )
+
+
+def _apply(x: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None) -> torch.Tensor:
+    x = x.contiguous()
+    if keep_threshold(p) is None:
+        return torch.zeros_like(x)
+    out = torch.empty_like(x)
+    _run(x, out, seed, p, rows, masking=False)
     return out
+
+
+def draw_seed() -> int:
+    """A 63-bit seed from torch's default generator (``torch.manual_seed`` governs it)."""
+    return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
 
 
 class _Dropout(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, p, seed):
-        ctx.p, ctx.seed = p, seed
-        return _apply(x, seed, p)
+    def forward(ctx, x, p, seed, rows):
+        ctx.p, ctx.seed, ctx.rows = p, seed, rows
+        return _apply(x, seed, p, rows)
 
     @staticmethod
     def backward(ctx, g):
-        return _apply(g, ctx.seed, ctx.p), None, None
+        return _apply(g, ctx.seed, ctx.p, ctx.rows), None, None, None
 
 
-def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
-    """Inverted dropout with drop probability ``p``; identity when not training or ``p == 0``."""
+def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverted dropout with drop probability ``p``; identity when not training or ``p == 0``.
+    ``rows`` (int64, one per row of ``x``) are the rows' global ids: the mask of row ``r`` is then
+    the one row ``rows[r]`` of the whole tensor gets, whichever process holds it and in any order."""
     if not training or p == 0.0:
         return x
     if not 0.0 <= p < 1.0:
@@ -90,8 +132,18 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Ten
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return torch.nn.functional.dropout(x, p, training)
-    seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
-    return _Dropout.apply(x, p, seed)
+    return _Dropout.apply(x, p, draw_seed(), rows)
+
+
+def dropout_mask(shape: tuple[int, ...], p: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The keep mask (bool) that :func:`dropout` would draw for a tensor of ``shape`` (with the
+    same ``rows``) and drop probability ``p``, from the same generator state."""
+    seed = draw_seed()
+    out = torch.empty(shape, dtype=torch.bool)
+    if keep_threshold(p) is None:
+        return out.fill_(False)
+    _run(out, out, seed, p, rows, masking=True)
+    return out
 
 
 class _KeepMask(torch.autograd.Function):
@@ -108,7 +160,7 @@ class _KeepMask(torch.autograd.Function):
 
 
 def dropout_with_mask(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """Inverted dropout with a keep mask drawn ahead (:func:`tessera.sparse.masked.dropout_mask`): the
+    """Inverted dropout with a keep mask drawn ahead (:func:`dropout_mask`): the
     same values :func:`dropout` gives when that mask came from the same generator state."""
     scale = float(np.float32(1.0 / (1.0 - p))) if x.dtype == torch.float32 else 1.0 / (1.0 - p)
     return _KeepMask.apply(x, keep, scale)

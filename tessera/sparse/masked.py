@@ -17,15 +17,12 @@ tile live (``1 - (1 - p) ** 16``), so there the saving is the fused pass, not th
 
 from __future__ import annotations
 
-import numba
-import numpy as np
 import torch
 
 from tessera.graph.csr import CSRStructure
 from tessera.sparse.aggregate import AggregateFn, aggregate, check_reduce, inv_in_degree, keep_of
-from tessera.sparse.dropout import _BLOCK, _element_hash, block_key, keep_threshold
+from tessera.sparse.dropout import dropout_mask
 from tessera.sparse.operand import Operand, as_operand
-from tessera.threads import sync_numba_threads
 
 
 def _row_scale(a: Operand, reduce: str, scale: float, dtype: torch.dtype) -> torch.Tensor | None:
@@ -84,34 +81,6 @@ def masked_aggregate(
     return AggregateFn.apply(x, weight, a, row_scale, mask.detach(), None)
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _keep_kernel(out, seed_lo, seed_hi, threshold):
-    # the block and key loop of dropout._masked_scale, kept the same so this is the mask it draws
-    n = out.size
-    nblocks = (n + _BLOCK - 1) // _BLOCK
-    for b in numba.prange(nblocks):
-        start = b * _BLOCK
-        stop = min(n, start + _BLOCK)
-        key = block_key(seed_lo, seed_hi, start)
-        o = out[start:stop]
-        for i in range(stop - start):
-            o[i] = _element_hash(start + i, key) >= threshold
-
-
-def dropout_mask(shape: tuple[int, ...], p: float) -> torch.Tensor:
-    """The keep mask (bool) that :func:`tessera.sparse.dropout.dropout` would draw for a tensor of
-    ``shape`` with drop probability ``p`` (the seed comes from torch's generator, so
-    ``torch.manual_seed`` governs it and it does not depend on the thread count)."""
-    sync_numba_threads()
-    seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item())
-    out = torch.empty(shape, dtype=torch.bool)
-    threshold = keep_threshold(p)
-    if threshold is None:
-        return out.fill_(False)
-    _keep_kernel(out.view(-1).numpy(), np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32), threshold)
-    return out
-
-
 def dropout_aggregate(
     operand: Operand | CSRStructure,
     x: torch.Tensor,
@@ -120,8 +89,9 @@ def dropout_aggregate(
     weight: torch.Tensor | None = None,
     training: bool = True,
     backend: str = "auto",
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``dropout(aggregate(graph, x, reduce, weight), p)`` as one S-SpMM: dropped outputs are
+    """``dropout(aggregate(graph, x, reduce, weight), p, rows=rows)`` as one S-SpMM: dropped outputs are
     never computed, kept ones are scaled by ``1 / (1 - p)``. With ``reduce="sum"`` the result is
     bitwise the same as ``dropout(aggregate(graph, x, "sum", weight, "csr"), p)`` from the same
     torch generator state (the same mask, the same roundings)."""
@@ -130,7 +100,7 @@ def dropout_aggregate(
         return aggregate(a, x, reduce, weight)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    keep = dropout_mask((a.num_rows, *x.shape[1:]), p)
+    keep = dropout_mask((a.num_rows, *x.shape[1:]), p, rows)
     return masked_aggregate(a, x, keep, reduce, weight, 1.0 / (1.0 - p))
 
 

@@ -41,6 +41,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     progress: bool = True
     nprocs: int = 1
+    strategy: str = "partition"
     remote_agg: str = "prepost"
     partition: str = "metis"
     parts_dir: str | None = None
@@ -69,6 +70,10 @@ class TrainConfig:
             ),
             (self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}"),
             (self.nprocs >= 1, f"--nprocs must be >= 1, got {self.nprocs}"),
+            (
+                self.strategy in ("partition", "tensor"),
+                f"--strategy must be partition or tensor, got {self.strategy!r}",
+            ),
             (
                 self.remote_agg in ("post", "pre", "prepost"),
                 f"--remote-agg must be post, pre or prepost, got {self.remote_agg!r}",

@@ -72,10 +72,13 @@ class Trainer:
         self.model, self.operands, self.order, self.counts = run.model, run.operands, run.order, run.counts
         shard = run.shard
         self.x, self.y, self.global_ids = run.x, shard.y, shard.ids
+        # Random draws are keyed by global vertex id; rows in their own order need no ids.
+        identity = shard.ids.numel() == shard.num_nodes and torch.equal(shard.ids, torch.arange(shard.num_nodes))
+        self.row_ids = None if identity else shard.ids
         self.idx = {k: m.nonzero().view(-1) for k, m in shard.masks.items()}
         self.info = (shard.name, shard.num_nodes, shard.num_edges)
         self._fingerprint = shard.fingerprint
-        self.log = run.strategy.log
+        self.strategy, self.log = run.strategy, run.strategy.log
         self.comm_totals: dict[str, Any] = {}
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
@@ -103,7 +106,7 @@ class Trainer:
             n_loss = int(self.comm.all_reduce_sum(torch.tensor([tr.numel()]))[0])
         if self.log is not None:
             self.log.start_forward("train")
-        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows])
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids)
         # The sum over this rank's training vertices divided by the global count: summed over ranks
         # it is exactly the single-process mean loss, and so are the all-reduced gradients.
         loss = F.cross_entropy(logits[tr], self.y[tr], reduction="sum") / max(n_loss, 1)
@@ -125,7 +128,7 @@ class Trainer:
         if self.log is not None:
             self.log.start_forward("eval")
         rows = self.idx["train"] if self.cfg.label_prop > 0 else None  # evaluation sees every training label
-        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows])
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids)
         pred = logits.argmax(1)
         sums = [(pred[i] == self.y[i]).sum().to(torch.float64) for i in self.idx.values()]
         vi = self.idx["val"]
@@ -141,7 +144,7 @@ class Trainer:
         order (on a rank of a distributed run: its owned vertices, ``global_ids``)."""
         self.model.eval()
         rows = self.idx["train"] if self.cfg.label_prop > 0 else None
-        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows])
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids)
         return logits if self.order is None else self.order.to_original(logits)
 
     # ------------------------------------------------------------------ state

@@ -74,7 +74,7 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
     )
     specs = model.describe()
     options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits)
-    strategy = make_strategy("partition" if distributed else "single", comm, options)
+    strategy = make_strategy(cfg.strategy if distributed else "single", comm, options)
     strategy.check(specs)
     if distributed and cfg.reorder not in ("auto", "none") and comm.rank == 0:
         warnings.warn(f"--reorder {cfg.reorder} is ignored in distributed runs", RuntimeWarning, stacklevel=3)
