@@ -140,6 +140,9 @@ def tensor_bytes(counts: list[int], width: int) -> int:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_tensor_parallel_matches_single_process_and_counts_exact_bytes(world, datasets, single_process, tmp_path):
+    from tessera.nn import build_model
+    from tessera.planner.volume import tensor_volumes
+
     # MixGCN's mixture of parallelism with dropout 0.5: the same losses and weights as one process
     # (masks keyed by global vertex id), and the logged bytes are exactly the all-to-all volumes.
     spawn_with_retry(_tensor_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world)
@@ -155,6 +158,11 @@ def test_tensor_parallel_matches_single_process_and_counts_exact_bytes(world, da
         for layer, (width, back) in enumerate(zip(res["widths"], res["backward"])):
             want = EPOCHS * tensor_bytes(res["counts"], width)
             assert res["bytes"][layer] == [want, want if back else 0], (key, layer)
+        # tessera simulate's tensor volume is what the runtime sent
+        ds, model = key.split("|")
+        g = load(ds)
+        specs = build_model(model, g.num_features, 16, g.num_classes, 2).describe()
+        assert sum(map(sum, res["bytes"])) == EPOCHS * tensor_volumes(g, world, specs)["bytes"], key
     assert tensor_bytes([3, 3], 5) == 4 * (3 * 3 + 3 * 2) * 2  # rank 0 holds columns 0-1, rank 1 columns 2-4
 
 

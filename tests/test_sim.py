@@ -220,3 +220,30 @@ def test_command_text(capsys):
 def test_command_user_errors(argv):
     with pytest.raises(ConfigError):
         run(_args("--dataset", "synthetic:small", *argv))
+
+
+def test_tensor_volume_is_the_all_to_all_formula_and_flat_in_p(capsys):
+    # Every ordered pair (i, j) moves 4 (n_i w_j + n_j w_i) bytes per aggregation pass; the total is
+    # 8 N d (1 - sum_i n_i w_i / (N d)): close to 8 N d at any P, where the halo volume grows.
+    from tessera.cli.main import main
+    from tessera.planner.volume import tensor_volumes
+
+    g = load("synthetic:small")
+    specs = build_model("gcn", g.num_features, 32, g.num_classes, 2).describe()
+    totals = {}
+    for parts in (2, 4, 16, 64):
+        counts = np.bincount(partition(g, parts, "metis", 0), minlength=parts)
+        want = 0
+        for i, s in enumerate(specs):
+            w = np.diff([s.aggregate_width * k // parts for k in range(parts + 1)])
+            one = sum(4 * (counts[a] * w[b] + counts[b] * w[a]) for a in range(parts) for b in range(parts) if a != b)
+            want += one * (2 if i > 0 or s.aggregates_input_grad(False) else 1)
+        totals[parts] = tensor_volumes(g, parts, specs)["bytes"]
+        assert totals[parts] == want, parts
+        upper = sum(8 * g.num_nodes * s.aggregate_width * 2 for s in specs)
+        assert totals[parts] <= upper
+    assert totals[64] / totals[16] < 1.1 and totals[64] >= totals[16]
+    assert main(["simulate", "--dataset", "synthetic:small", "--parts", "2,64", "--strategy", "partition,tensor"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallelism (MixGCN)" in out and "prepost" in out
+    assert main(["simulate", "--dataset", "synthetic:small", "--parts", "2", "--strategy", "nope"]) == 2

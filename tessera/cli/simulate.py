@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
@@ -55,6 +56,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="masked label propagation share, as train --label-prop (default 0)",
+    )
+    s.add_argument(
+        "--strategy",
+        default="partition",
+        help="partition | tensor | partition,tensor: tensor adds MixGCN's volumes beside prepost (default partition)",
     )
     s.add_argument("--remote-agg", default="all", help="pre | post | prepost | all, or a comma list (default all)")
     s.add_argument("--comm-bits", default="32,2", help="comma list from 32,8,4,2 (default 32,2)")
@@ -109,12 +115,15 @@ def run(args: argparse.Namespace) -> int:
     from tessera.nn import build_model
     from tessera.planner.model import CommModel, project
     from tessera.planner.report import format_table, format_table5, to_json, write_plot
-    from tessera.planner.volume import simulate_volumes
+    from tessera.planner.volume import simulate_volumes, tensor_volumes
 
     parts = _ints(args.parts, "--parts")
     if any(p < 1 for p in parts):
         raise ConfigError(f"--parts values must be at least 1, got {args.parts!r}")
     modes, bits = _modes(args.remote_agg), _bits(args.comm_bits)
+    strategies = tuple(dict.fromkeys(s.strip() for s in args.strategy.split(",") if s.strip()))
+    if not strategies or any(s not in ("partition", "tensor") for s in strategies):
+        raise ConfigError(f"--strategy must be partition, tensor or both comma-separated, got {args.strategy!r}")
     m = CommModel(args.bandwidth_gbps, args.latency_us, args.quant_gbps)
     if not 0 <= args.label_prop < 1:
         raise ConfigError(f"--label-prop must be in [0, 1), got {args.label_prop}")
@@ -138,9 +147,15 @@ def run(args: argparse.Namespace) -> int:
         vol["timing_s"]["model"] = time.perf_counter() - t1
         vol["timing_s"]["total"] = time.perf_counter() - t
         runs.append({"vol": vol, "proj": proj})
+        if "tensor" in strategies:
+            runs[-1]["tensor"] = tensor_volumes(g, p, specs, args.method, args.seed, args.norm, args.label_prop)
     plot = str(write_plot(runs, args.plot)) if args.plot else None
     if args.json:
-        sys.stdout.write(to_json(runs, m, plot, args.table_layer) + "\n")
+        doc = json.loads(to_json(runs, m, plot, args.table_layer))
+        for out, r in zip(doc["runs"], runs):
+            if "tensor" in r:
+                out["tensor"] = r["tensor"]
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
         return 0
     v0 = runs[0]["vol"]
     print(
@@ -156,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         print()
         print(format_table5(r, args.table_layer))
+    if "tensor" in strategies:
+        print()
+        print(format_tensor_table(runs))
     print()
     print(f"load {load_s:.2f} s")
     for r in runs:
@@ -167,6 +185,35 @@ def run(args: argparse.Namespace) -> int:
     if plot:
         print(f"wrote {plot}")
     return 0
+
+
+def format_tensor_table(runs: list[dict[str, Any]]) -> str:
+    """Tensor parallelism's fp32 volume per P beside prepost's, and the first P where it is smaller."""
+    lines = [
+        "tensor parallelism (MixGCN), fp32, per training epoch:",
+        f"{'P':>6} {'tensor MB':>11} {'busiest MB':>11} {'feature MB/rank':>16} {'FLOPs max/mean':>15} "
+        f"{'prepost MB':>11} {'tensor/prepost':>15}",
+    ]
+    crossover = None
+    for r in runs:
+        tv = r["tensor"]
+        pre = r["vol"]["modes"].get("prepost", {}).get("bits", {}).get(32)
+        pre_bytes = pre["epoch"]["bytes"] if pre else None
+        ratio = tv["bytes"] / pre_bytes if pre_bytes else None
+        if ratio is not None and ratio < 1 and crossover is None:
+            crossover = tv["parts"]
+        lines.append(
+            f"{tv['parts']:>6} {tv['bytes'] / 1e6:>11.3f} {tv['max_rank_bytes'] / 1e6:>11.3f} "
+            f"{tv['feature_bytes_max'] / 1e6:>16.3f} {tv['flops_max_over_mean']:>15.3f} "
+            + (f"{pre_bytes / 1e6:>11.3f} {ratio:>14.2f}x" if pre_bytes else f"{'-':>11} {'-':>15}")
+        )
+    if any("prepost" in r["vol"]["modes"] for r in runs):
+        lines.append(
+            f"tensor moves fewer bytes than prepost from P = {crossover} on (of the simulated P)"
+            if crossover
+            else "tensor moves more bytes than prepost at every simulated P"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,17 @@ def column_bounds(width: int, world: int) -> list[int]:
     return [width * i // world for i in range(world + 1)]
 
 
+def exchange_sizes(counts: list[int] | np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Elements rank ``i`` sends rank ``j`` (``[i, j]``, int64 ``P x P``) in one aggregation at
+    ``width``: to the feature split (``n_i w_j``: its rows of ``j``'s columns) and back to the node
+    split (``n_j w_i``: ``j``'s rows of its columns). The diagonal stays on the rank. The runtime
+    sizes its all-to-alls and the simulator its volumes from this one function."""
+    n = np.asarray(counts, dtype=np.int64)
+    b = np.asarray(column_bounds(width, n.size), dtype=np.int64)
+    w = np.diff(b)
+    return np.outer(n, w), np.outer(w, n)
+
+
 class TensorPlan:
     """The whole graph in rank-block order and this rank's place in it."""
 
@@ -76,21 +87,15 @@ class TensorOperand(ExchangeOperand):
         width = h.shape[1]
         b = column_bounds(width, world)
         w = [b[j + 1] - b[j] for j in range(world)]
+        to_cols, to_rows = (m.tolist() for m in exchange_sizes(n, width))
         # node split -> feature split: peer j gets my rows' columns [b[j], b[j+1])
         send = torch.cat([h[:, b[j] : b[j + 1]].reshape(-1) for j in range(world)])
-        cols = self._exchange(
-            send, [n[me] * w[j] for j in range(world)], [n[q] * w[me] for q in range(world)], direction
-        )
+        cols = self._exchange(send, to_cols[me], [row[me] for row in to_cols], direction)
         cols = cols.view(sum(n), w[me])
         with Timer(p.log, self.layer, direction, "compute_s"):
             y = self.local.spmm(cols) if direction == FORWARD else self.local.spmm_t(cols)
         # feature split -> node split: peer j gets its rows of my columns
-        back = self._exchange(
-            y.contiguous().view(-1),
-            [n[j] * w[me] for j in range(world)],
-            [n[me] * w[q] for q in range(world)],
-            direction,
-        )
+        back = self._exchange(y.contiguous().view(-1), to_rows[me], [row[me] for row in to_rows], direction)
         out = h.new_empty((n[me], width))
         start = 0
         for q in range(world):

@@ -187,3 +187,43 @@ def runtime_bytes(vol: dict[str, Any], mode: str, bits: int) -> dict[str, list]:
         out["bytes_data"].append([m[0].tolist() for m in mats])
         out["bytes_params"].append([m[1].tolist() for m in mats])
     return out
+
+
+# ---------------------------------------------------------------------------------------- tensor
+def tensor_volumes(
+    graph: Graph,
+    parts: int,
+    specs: list[LayerSpec],
+    method: str = "metis",
+    seed: int = 0,
+    norm: str = "none",
+    label_prop: float = 0.0,
+) -> dict[str, Any]:
+    """Per training epoch of ``--strategy tensor`` on ``parts`` ranks (the runtime's row split and
+    its :func:`~tessera.parallel.tensor.exchange_sizes`): fp32 bytes in all and of the busiest
+    sender, the largest per-rank feature memory (its rows plus its column slice of every vertex),
+    and the aggregation FLOPs of the busiest rank over the mean."""
+    from tessera.parallel.tensor import exchange_sizes
+
+    plan = exchange_layers(specs, norm, label_prop)
+    part = partition(graph, parts, method, seed)
+    counts = np.bincount(part, minlength=int(parts)).astype(np.int64)
+    sent = np.zeros(int(parts), dtype=np.int64)
+    flops = np.zeros(int(parts), dtype=np.float64)
+    memory = 0
+    for width, back in plan:
+        to_cols, to_rows = exchange_sizes(counts, width)
+        pair = 4 * (to_cols + to_rows)
+        np.fill_diagonal(pair, 0)
+        passes = 2 if back else 1
+        sent += passes * pair.sum(axis=1)
+        slices = np.diff([width * i // int(parts) for i in range(int(parts) + 1)])
+        flops += passes * 2.0 * graph.num_edges * slices
+        memory = max(memory, int((4 * (graph.num_nodes * slices + counts * width)).max()))
+    return {
+        "parts": int(parts),
+        "bytes": int(sent.sum()),
+        "max_rank_bytes": int(sent.max()),
+        "feature_bytes_max": memory,
+        "flops_max_over_mean": float(flops.max() / flops.mean()) if flops.mean() > 0 else 1.0,
+    }
