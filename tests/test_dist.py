@@ -41,30 +41,41 @@ def _config(dataset, model, mode, out, strategy="partition"):
     )
 
 
-def _worker(rank, world, port, datasets, out_dir):
+def _worker(rank, world, port, datasets, out_dir, strategy="partition"):
+    # Every (dataset, model[, mode]) run of one strategy in one process group; rank 0 writes them.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from tessera.comm.group import init_from_env, shutdown
 
     torch.set_num_threads(1)
     comm = init_from_env(120)
+    runs = (
+        [(m, mode) for m in MODELS for mode in MODES] if strategy == "partition" else [(m, "") for m in TENSOR_MODELS]
+    )
     results = {}
     try:
         for ds, root in datasets:
             if root:
                 os.environ["TESSERA_DATA"] = root
             g = load(ds)
-            for model in MODELS:
-                for mode in MODES:
-                    t = Trainer(_config(ds, model, mode, Path(out_dir) / f"{ds}-{model}-{mode}"), g, comm)
-                    t.fit()
-                    results[f"{ds}|{model}|{mode}"] = {
-                        "loss": [h["train_loss"] for h in t.history],
-                        "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
-                    }
+            for model, mode in runs:
+                key = "|".join(filter(None, (ds, model, mode)))
+                cfg = _config(ds, model, mode or "prepost", Path(out_dir) / key.replace("|", "-"), strategy)
+                t = Trainer(cfg, g, comm)
+                t.fit()
+                specs = t.model.describe()
+                results[key] = {
+                    "loss": [h["train_loss"] for h in t.history],
+                    "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
+                    "bytes": t.comm_totals["bytes_data"],
+                    "widths": [s.aggregate_width for s in specs],
+                    "backward": [i > 0 or s.aggregates_input_grad(False) for i, s in enumerate(specs)],
+                }
+                if strategy == "tensor":
+                    results[key]["counts"] = t.strategy.plan.counts
     finally:
         shutdown()
     if rank == 0:
-        (Path(out_dir) / "dist.json").write_text(json.dumps(results))
+        (Path(out_dir) / f"{strategy}.json").write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +100,7 @@ def single_process(datasets, tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_partition_parallel_matches_single_process(world, datasets, single_process, tmp_path):
     spawn_with_retry(_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world)
-    got = json.loads((tmp_path / "dist.json").read_text())
+    got = json.loads((tmp_path / "partition.json").read_text())
     for key, res in got.items():
         ds, model, mode = key.split("|")
         ref = single_process[f"{ds}|{model}"]
@@ -99,35 +110,6 @@ def test_partition_parallel_matches_single_process(world, datasets, single_proce
             torch.testing.assert_close(
                 torch.tensor(res["params"][name]), value, rtol=1e-4, atol=1e-4, msg=f"{key} {name}"
             )
-
-
-def _tensor_worker(rank, world, port, datasets, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    from tessera.comm.group import init_from_env, shutdown
-
-    torch.set_num_threads(1)
-    comm = init_from_env(120)
-    results = {}
-    try:
-        for ds, root in datasets:
-            if root:
-                os.environ["TESSERA_DATA"] = root
-            g = load(ds)
-            for model in TENSOR_MODELS:
-                t = Trainer(_config(ds, model, "prepost", Path(out_dir) / f"{ds}-{model}", "tensor"), g, comm)
-                t.fit()
-                results[f"{ds}|{model}"] = {
-                    "loss": [h["train_loss"] for h in t.history],
-                    "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
-                    "bytes": t.comm_totals["bytes_data"],
-                    "counts": t.strategy.plan.counts,
-                    "widths": [s.aggregate_width for s in t.model.describe()],
-                    "backward": [i > 0 or s.aggregates_input_grad(False) for i, s in enumerate(t.model.describe())],
-                }
-    finally:
-        shutdown()
-    if rank == 0:
-        (Path(out_dir) / "tensor.json").write_text(json.dumps(results))
 
 
 def tensor_bytes(counts: list[int], width: int) -> int:
@@ -145,7 +127,7 @@ def test_tensor_parallel_matches_single_process_and_counts_exact_bytes(world, da
 
     # MixGCN's mixture of parallelism with dropout 0.5: the same losses and weights as one process
     # (masks keyed by global vertex id), and the logged bytes are exactly the all-to-all volumes.
-    spawn_with_retry(_tensor_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world)
+    spawn_with_retry(_worker, args=(world, free_port(), datasets, str(tmp_path), "tensor"), nprocs=world)
     got = json.loads((tmp_path / "tensor.json").read_text())
     assert len(got) == len(datasets) * len(TENSOR_MODELS)
     for key, res in got.items():
