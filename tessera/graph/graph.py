@@ -265,8 +265,7 @@ class Graph(CSRStructure):
         is_loop = src == dst
         n = self.num_nodes
         loop_w = torch.full((n,), float(fill_value))
-        if self.edge_weight is not None:
-            loop_w[src[is_loop]] = self.edge_weight[is_loop]
+        loop_w[src[is_loop]] = 1.0 if self.edge_weight is None else self.edge_weight[is_loop]
         keep = ~is_loop
         ar = torch.arange(n)
         weight = None

@@ -89,8 +89,7 @@ def _with_self_loops(indptr, cols, w, deg, in_weight, fill: float):
     loop = rows == cols
     loop_w = np.full(n, float(fill), dtype=np.float64)
     old_loop_w = np.bincount(rows[loop], weights=None if w is None else w[loop], minlength=n)
-    if w is not None:
-        loop_w[rows[loop]] = w[loop]
+    loop_w[rows[loop]] = 1.0 if w is None else w[loop]
     keep = ~loop
     r = np.concatenate([rows[keep], np.arange(n)])
     c = np.concatenate([cols[keep], np.arange(n)])

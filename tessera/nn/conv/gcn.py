@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.errors import ConfigError
 from tessera.nn.conv._util import aggregates_output, glorot_, linear_spec, linear_then_aggregate
 from tessera.nn.conv.base import GraphConv, SSpmmHints
 from tessera.nn.linear import Linear
@@ -12,13 +13,27 @@ from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
 
 class GCNConv(GraphConv):
-    """``x'_i = sum_{j in N(i) + i} w_ji / sqrt(d_i d_j) * W x_j + b`` (PyG ``GCNConv``)."""
+    """``x'_i = sum_{j in N(i) + i} w_ji / sqrt(d_i d_j) * W x_j + b`` (PyG ``GCNConv``).
+
+    Self loops are PyG's remaining self loops: a vertex's existing loop keeps its weight (1 on an
+    unweighted graph), a missing one gets 1, or 2 when ``improved``. On an unweighted graph PyG's
+    ``edge_index`` path drops the fill value (it has no weights to fill), so ``improved`` has no
+    effect there; tessera keeps ``A + 2I`` as in PyG's weighted path (the same as passing PyG
+    unit weights). ``add_self_loops`` defaults to ``normalize``; loops without normalisation are
+    refused, as in PyG."""
 
     def __init__(
-        self, in_channels: int, out_channels: int, improved: bool = False, add_self_loops: bool = True,
+        self, in_channels: int, out_channels: int, improved: bool = False, add_self_loops: bool | None = None,
         normalize: bool = True, bias: bool = True, backend: str = "auto",
     ) -> None:  # fmt: skip
         super().__init__()
+        if add_self_loops is None:
+            add_self_loops = normalize
+        if add_self_loops and not normalize:
+            raise ConfigError(
+                "GCNConv adds self loops only with normalize=True: pass add_self_loops=False, "
+                "or add the loops to the graph (Graph.add_self_loops)"
+            )
         self.in_channels, self.out_channels = in_channels, out_channels
         self.improved, self.add_self_loops, self.normalize = improved, add_self_loops, normalize
         self.backend = backend
