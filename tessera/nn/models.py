@@ -11,7 +11,7 @@ from torch import nn
 from tessera import sparse
 from tessera.errors import ConfigError
 from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
-from tessera.nn.conv.base import GraphConv, SSpmmHints
+from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec
 from tessera.sparse.dropout import dropout_mask, dropout_with_mask
@@ -97,7 +97,7 @@ class GNN(nn.Module):
             keep = None
             if uses_out and i < last:
                 keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout, rows)
-            x = conv(x, operands[i], SSpmmHints(grad_mask, keep))
+            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows))
             if i < last:
                 x = self.act(x)
         return x

@@ -14,6 +14,7 @@ in-edges, so a rank built from its part file alone trains the same model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix, rows_of
 from tessera.graph.partition.halo import RankPlan, build_rank_plan, plan_from_part
 from tessera.parallel.base import SPLITS, ExchangeOperand, Shard, Strategy, row_split
+from tessera.parallel.halo_attention import AttentionOperand, SourceGather
 from tessera.sparse import LayerSpec, Operand
 
 
@@ -166,26 +168,29 @@ class PartitionStrategy(Strategy):
     """Each rank owns a part of the vertices and exchanges halo rows every layer."""
 
     name = "partition"
+    attention = False  # whether a layer computes attention (set by check)
 
     def check(self, specs: list[LayerSpec]) -> None:
-        if any(s.edge_values for s in specs):
-            raise ConfigError("GAT trains single-process only for now: drop --nprocs or pick gcn, sage or gin")
+        # Attention layers gather their remote sources with a post-mode exchange of their own.
+        self.attention = any(s.edge_values for s in specs)
 
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
         comm, opt = self.comm, self.options
         part = row_split(graph, comm, opt)
         w = None if graph.edge_weight is None else graph.edge_weight.numpy()
-        plan = build_rank_plan(
-            graph.indptr.numpy(), graph.indices.numpy(), w, part, opt.remote_agg, comm.rank, world=comm.world
-        )
+
+        def plan_for(mode: str) -> RankPlan:
+            return build_rank_plan(graph.indptr.numpy(), graph.indices.numpy(), w, part, mode, comm.rank, comm.world)
+
+        plan = plan_for(opt.remote_agg)
         owned = torch.from_numpy(plan.owned.astype(np.int64))
         in_weight = graph.in_degree()[owned].numpy().astype(np.float64)
         if w is not None:
             wsum = np.zeros(graph.num_nodes)
             np.add.at(wsum, graph.dst_index().numpy(), w.astype(np.float64))
             in_weight = wsum[plan.owned]
-        self._start(plan, in_weight)
+        self._start(plan, in_weight, plan_for)
         return Shard.of_graph(graph, owned)
 
     def shard_from_part(self, data: dict[str, Any]) -> Shard:
@@ -196,7 +201,7 @@ class PartitionStrategy(Strategy):
         in_weight = np.diff(indptr).astype(np.float64)
         if w is not None:
             in_weight = np.bincount(rows_of(indptr), weights=w.astype(np.float64), minlength=indptr.size - 1)
-        self._start(plan, in_weight)
+        self._start(plan, in_weight, lambda mode: plan_from_part(data, mode))
         missing = [k for k in ("x", "y", *(f"{s}_mask" for s in SPLITS)) if k not in data]
         if missing:
             raise ConfigError(
@@ -214,11 +219,22 @@ class PartitionStrategy(Strategy):
             num_edges=int(meta.get("num_edges", 0)),
         )
 
-    def _start(self, plan: RankPlan, in_weight: np.ndarray) -> None:
-        exchange = Exchange(self.comm, plan.send_counts, plan.recv_counts)
+    def _start(self, plan: RankPlan, in_weight: np.ndarray, plan_for: Callable[[str], RankPlan]) -> None:
         self.log = CommLog(self.comm.rank, self.comm.world)
+        self.halo = HaloPlan(plan, in_weight, self._exchange(plan), self.options.backend)
+        self.gather = None
+        if self.attention:
+            post = plan if plan.mode == "post" else plan_for("post")
+            self.gather = SourceGather(post, self._exchange(post))
+
+    def _exchange(self, plan: RankPlan) -> Exchange:
+        exchange = Exchange(self.comm, plan.send_counts, plan.recv_counts)
         exchange.configure(self.options.comm_bits, self.log)
-        self.halo = HaloPlan(plan, in_weight, exchange, self.options.backend)
+        return exchange
 
     def operand(self, spec: LayerSpec, layer: int) -> Operand:
+        if spec.edge_values:
+            if self.gather is None:
+                raise ConfigError("an attention layer needs the strategy checked with it before shard()")
+            return AttentionOperand(self.gather, layer, self.options.backend)
         return HaloOperand(self.halo, layer, self.halo.variant("pattern"))

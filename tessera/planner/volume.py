@@ -37,7 +37,10 @@ def exchange_layers(specs: list[LayerSpec], norm: str = "none", label_prop: floa
     if norm not in ("none", "layer"):
         raise ConfigError(f"--norm must be none or layer, got {norm!r}")
     if any(s.edge_values for s in specs):
-        raise ConfigError("partition parallelism exchanges rows of gcn, sage and gin layers, not attention (gat)")
+        raise ConfigError(
+            "the simulator models gcn, sage and gin exchanges; gat's (every remote source's features and "
+            "attention terms, post-mode whatever --remote-agg) is measured by training with --nprocs"
+        )
     first_grad = norm == "layer" or label_prop > 0
     return [(s.aggregate_width, i > 0 or s.aggregates_input_grad(first_grad)) for i, s in enumerate(specs)]
 

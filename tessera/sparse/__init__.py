@@ -2,7 +2,7 @@
 edge softmax and fused GAT attention, dropout and linear, all over an :class:`Operand`."""
 
 from tessera.sparse.aggregate import aggregate, inv_in_degree
-from tessera.sparse.attention import edge_score, edge_softmax
+from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import dropout
 from tessera.sparse.linear import linear
@@ -18,6 +18,7 @@ __all__ = [
     "as_operand",
     "dropout",
     "dropout_aggregate",
+    "edge_keys",
     "edge_score",
     "edge_softmax",
     "gat_attention",

@@ -23,3 +23,12 @@ def edge_softmax(graph: CSRStructure, scores: torch.Tensor) -> torch.Tensor:
     ex = torch.exp(scores - rowmax.index_select(0, dst))
     denom = torch.zeros(shape, dtype=scores.dtype).index_add_(0, dst, ex)
     return ex / denom.index_select(0, dst)
+
+
+def edge_keys(graph: CSRStructure, row_ids: torch.Tensor, col_ids: torch.Tensor) -> torch.Tensor:
+    """A global key per edge ``j -> i``, ``row_ids[i] * 2**32 + col_ids[j]`` in CSR order: random
+    draws keyed by it (attention dropout) are the same for any split and order of the vertices.
+    Parallel copies of an edge share a key (and so a draw)."""
+    return (row_ids.to(torch.int64).index_select(0, graph.dst_index()) << 32) + col_ids.to(torch.int64).index_select(
+        0, graph.src_index()
+    )

@@ -72,7 +72,21 @@ class Operand(ABC):
 
     def edge_structure(self) -> CSRStructure:
         """The CSR whose edge order per-edge values (``weight=``) follow; only where :attr:`edge_values`."""
-        raise ConfigError(f"{type(self).__name__} cannot take per-edge values (attention): run GAT in one process")
+        raise ConfigError(
+            f"{type(self).__name__} cannot take per-edge values (attention): run GAT with --strategy partition "
+            "or in one process"
+        )
+
+    def gather_sources(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-vertex tensors of this operand's rows extended to its columns, the sources of
+        :meth:`edge_structure`'s edges. Where every edge starts at a row of this process they are
+        the tensors themselves; an operand over part of a graph appends the rows of its remote
+        sources (received, with their gradients sent back in backward)."""
+        return xs
+
+    def source_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """The global vertex ids of :meth:`gather_sources`'s rows, given those of this operand's rows."""
+        return rows
 
     def masked_spmm(
         self,

@@ -81,6 +81,7 @@ class RankPlan:
     in_degree_global: np.ndarray  # int64 per owned vertex, local + remote in-edges
     rows_post: np.ndarray  # int64 (world,), source rows sent to each peer
     rows_pre: np.ndarray  # int64 (world,), partial-sum rows sent to each peer
+    recv_src: np.ndarray  # int64 per received row: the global source id of a post row, -1 for a partial sum
 
     @property
     def n_owned(self) -> int:
@@ -167,7 +168,7 @@ def _build(
     cut = np.flatnonzero(~loc)
     order, bounds = _groups(in_owner[cut], world)
     recv_counts = np.zeros(world, dtype=np.int64)
-    r_rows, r_cols, r_vals, base = [], [], [], 0
+    r_rows, r_cols, r_vals, r_src, base = [], [], [], [], 0
     for p in range(world):
         e = cut[order[bounds[p] : bounds[p + 1]]]
         if p == rank or e.size == 0:
@@ -177,6 +178,7 @@ def _build(
         post_rows = np.unique(s[post])
         pre_rows = np.unique(dl[~post])  # local ids sort like global ids
         r_rows += [dl[post], pre_rows]
+        r_src += [post_rows, np.full(pre_rows.size, -1, dtype=np.int64)]
         r_cols += [base + np.searchsorted(post_rows, s[post]), base + post_rows.size + np.arange(pre_rows.size)]
         if weighted:
             r_vals += [in_w[e][post], np.ones(pre_rows.size, dtype=np.float32)]
@@ -220,6 +222,7 @@ def _build(
         in_degree_global=deg,
         rows_post=rows_post,
         rows_pre=rows_pre,
+        recv_src=np.concatenate([np.zeros(0, dtype=np.int64), *r_src]).astype(np.int64),
     )
 
 

@@ -7,7 +7,7 @@ import math
 import torch
 
 from tessera import sparse
-from tessera.nn.conv.base import SSpmmHints
+from tessera.nn.conv.base import LayerHints
 from tessera.sparse import LayerSpec, Operand
 
 
@@ -19,12 +19,12 @@ def glorot_(t: torch.Tensor) -> torch.Tensor:
 
 
 def linear_then_aggregate(
-    a: Operand, x: torch.Tensor, lin: torch.nn.Linear, reduce: str = "sum", hints: SSpmmHints | None = None
+    a: Operand, x: torch.Tensor, lin: torch.nn.Linear, reduce: str = "sum", hints: LayerHints | None = None
 ) -> torch.Tensor:
     """``A (x W^T)`` or ``(A x) W^T``, whichever aggregates the narrower matrix (same result;
     WiseGraph's indexing swap). ``lin`` must have no bias; callers add it after aggregation.
-    Of the S-SpMM ``hints``, the side that aggregates uses its own (see :class:`SSpmmHints`)."""
-    hints = hints or SSpmmHints()
+    Of the S-SpMM ``hints``, the side that aggregates uses its own (see :class:`LayerHints`)."""
+    hints = hints or LayerHints()
     if aggregates_output(lin):
         xw = lin(x)
         if hints.output_mask is not None:

@@ -13,21 +13,23 @@ from tessera.sparse import GraphOperand, LayerSpec
 
 
 @dataclass(frozen=True)
-class SSpmmHints:
-    """S-SpMM hints (MixGCN §3.2.1) a model passes to a layer: ``output_mask`` when the layer's
-    aggregation comes last (only kept outputs are computed; the caller applies that dropout mask
-    after the layer), ``input_grad_mask`` when it comes first (only the kept entries of the
-    input's gradient are computed)."""
+class LayerHints:
+    """What a model tells a layer about one call besides its input. The S-SpMM masks (MixGCN
+    §3.2.1): ``output_mask`` when the layer's aggregation comes last (only kept outputs are
+    computed; the caller applies that dropout mask after the layer), ``input_grad_mask`` when it
+    comes first (only the kept entries of the input's gradient are computed). ``rows``: the global
+    vertex ids of the input's rows (None: their positions), which keys the layer's own random draws."""
 
     input_grad_mask: torch.Tensor | None = None
     output_mask: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
 
 
 class GraphConv(nn.Module):
     """A graph layer: ``forward(x, graph)`` with ``graph`` a :data:`~tessera.sparse.GraphOperand`."""
 
     @abstractmethod
-    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """The layer's output for node features ``x`` aggregated over ``graph``."""
 
     @abstractmethod
@@ -35,5 +37,5 @@ class GraphConv(nn.Module):
         """This layer's widths (input, output, aggregated) and whether it aggregates first."""
 
     def s_spmm_sides(self) -> tuple[bool, bool]:
-        """Which :class:`SSpmmHints` field ``forward`` uses: (``input_grad_mask``, ``output_mask``)."""
+        """Which S-SpMM field of :class:`LayerHints` ``forward`` uses: (``input_grad_mask``, ``output_mask``)."""
         return False, False

@@ -7,7 +7,7 @@ from torch import nn
 
 from tessera import sparse
 from tessera.nn.conv._util import glorot_
-from tessera.nn.conv.base import GraphConv, SSpmmHints
+from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
@@ -40,6 +40,7 @@ class GATConv(GraphConv):
         self.att_src = nn.Parameter(torch.empty(1, heads, out_channels))
         self.att_dst = nn.Parameter(torch.empty(1, heads, out_channels))
         self.bias = nn.Parameter(torch.empty(heads * out_channels if concat else out_channels)) if bias else None
+        self._keys_cache: tuple | None = None  # (edge structure, rows, keys) of the last training call
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -50,19 +51,38 @@ class GATConv(GraphConv):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
-        """Apply attention to node features ``x`` of shape ``(N, in_channels)`` (no S-SpMM hint applies)."""
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
+        """Apply attention to node features ``x`` of shape ``(N, in_channels)``. Of the ``hints``
+        only ``rows`` applies: attention dropout is keyed by the global ids of each edge's ends."""
         # PyG removes then re-adds self loops; edge weights play no part in GAT.
         a = as_operand(graph, self.backend)
         a = a.with_self_loops() if self.add_self_loops else a.pattern()
-        h = self.lin(x).view(-1, self.heads, self.out_channels)
+        n, heads, width = x.shape[0], self.heads, self.out_channels
+        h = self.lin(x).view(n, heads, width)
         a_src = (h * self.att_src).sum(-1)
         a_dst = (h * self.att_dst).sum(-1)
+        # The sources' features and attention terms (all local in one process; a partition's
+        # remote sources arrive in one exchange).
+        h_src, a_src = a.gather_sources(h, a_src)
+        edges = a.edge_structure()
         # Fused score, LeakyReLU and per-destination softmax: O(E x heads) memory, no E x F tensor.
-        alpha = sparse.gat_attention(a.edge_structure(), a_src, a_dst, self.negative_slope)
-        out = sparse.aggregate(a, h, "sum", sparse.dropout(alpha, self.dropout, self.training))
-        out = out.reshape(-1, self.heads * self.out_channels) if self.concat else out.mean(1)
+        alpha = sparse.gat_attention(edges, a_src, a_dst, self.negative_slope)
+        if self.training and self.dropout > 0.0:
+            alpha = sparse.dropout(alpha, self.dropout, True, self._edge_keys(a, edges, hints, n))
+        out = sparse.aggregate(a, h_src, "sum", alpha)
+        out = out.reshape(-1, heads * width) if self.concat else out.mean(1)
         return out if self.bias is None else out + self.bias
+
+    def _edge_keys(self, a, edges, hints: LayerHints | None, n: int) -> torch.Tensor:
+        """Global edge keys for attention dropout, made once per (edges, rows) pair."""
+        rows = hints.rows if hints is not None else None
+        cached = self._keys_cache
+        if cached is not None and cached[0] is edges and cached[1] is rows:
+            return cached[2]
+        ids = torch.arange(n) if rows is None else rows
+        keys = sparse.edge_keys(edges, ids, a.source_ids(ids))
+        self._keys_cache = (edges, rows, keys)
+        return keys
 
     def describe(self) -> LayerSpec:
         width = self.heads * self.out_channels

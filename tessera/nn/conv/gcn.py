@@ -7,7 +7,7 @@ from torch import nn
 
 from tessera.errors import ConfigError
 from tessera.nn.conv._util import aggregates_output, glorot_, linear_spec, linear_then_aggregate
-from tessera.nn.conv.base import GraphConv, SSpmmHints
+from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
@@ -47,7 +47,7 @@ class GCNConv(GraphConv):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend)
         a = a.gcn_normalized(self.add_self_loops, self.improved) if self.normalize else a.weighted()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tessera import sparse
-from tessera.nn.conv.base import GraphConv, SSpmmHints
+from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
 
@@ -27,7 +27,7 @@ class GINConv(GraphConv):
                 m.reset_parameters()
         self.eps.data.fill_(self.initial_eps)
 
-    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` (of the hints, ``input_grad_mask``)."""
         grad_mask = None if hints is None else hints.input_grad_mask
         out = sparse.aggregate(as_operand(graph, self.backend).pattern(), x, "sum", grad_mask=grad_mask)

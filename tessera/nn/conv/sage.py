@@ -8,7 +8,7 @@ from torch import nn
 
 from tessera import sparse
 from tessera.nn.conv._util import aggregates_output, linear_spec, linear_then_aggregate
-from tessera.nn.conv.base import GraphConv, SSpmmHints
+from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
@@ -38,7 +38,7 @@ class SAGEConv(GraphConv):
         if self.lin_r is not None:
             self.lin_r.reset_parameters()
 
-    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: SSpmmHints | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend).pattern()
         out = linear_then_aggregate(a, x, _WeightOnly(self.lin_l), self.aggr, hints)

@@ -1,0 +1,142 @@
+"""Attention layers (GAT) under partition parallelism: every in-edge of a rank's rows, local.
+
+An attention coefficient needs both ends of its edge (``a_src[j] + a_dst[i]``) and a softmax over
+all of ``i``'s in-edges, so partial sums (pre-aggregation) cannot carry it. Instead each rank
+receives, once per layer, the rows of its remote sources (post-aggregation's exchange): their
+features and their per-vertex attention terms in one block. Then the rank holds every in-edge of
+its rows as one local matrix whose columns are its own rows followed by the received ones, and
+computes attention and aggregation exactly as one process does. Backward sends the received rows'
+gradients back to their owners, which add them into their own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tessera.backends import local_operand
+from tessera.comm.accounting import BACKWARD, FORWARD
+from tessera.comm.exchange import Exchange
+from tessera.errors import ConfigError
+from tessera.graph.csr import CSRMatrix, rows_of
+from tessera.graph.partition.halo import RankPlan
+from tessera.sparse import Operand
+
+
+class SourceGather:
+    """The post-mode exchange of ``plan`` as a gather: owned rows -> owned rows + received rows."""
+
+    def __init__(self, plan: RankPlan, exchange: Exchange) -> None:
+        if plan.mode != "post":
+            raise ValueError(f"attention gathers sources with a post-mode plan, got {plan.mode!r}")
+        self.plan, self.n_owned, self.exchange = plan, plan.n_owned, exchange
+        self._matrices: dict[bool, CSRMatrix] = {}
+        # In post mode every sent row is one owned row: S is a selection matrix.
+        self.send_rows = torch.from_numpy(plan.S.indices.astype(np.int64))
+        self.recv_ids = torch.from_numpy(plan.recv_src.astype(np.int64))
+
+    def in_edges(self, self_loops: bool) -> CSRMatrix:
+        """Every in-edge of the owned rows over owned + received columns (made once per variant)."""
+        if self_loops not in self._matrices:
+            self._matrices[self_loops] = _local_in_edges(self.plan, self_loops)
+        return self._matrices[self_loops]
+
+    def forward(self, flat: torch.Tensor, layer: int) -> torch.Tensor:
+        """``flat`` (owned rows) with the received remote sources' rows appended."""
+        ex = self.exchange
+        received = ex.finish(ex.start(flat.index_select(0, self.send_rows), layer, FORWARD))
+        return torch.cat([flat, received])
+
+    def backward(self, grad: torch.Tensor, layer: int) -> torch.Tensor:
+        """The owned rows' gradient: their own plus what the ranks that received them send back."""
+        ex, n = self.exchange, self.n_owned
+        back = ex.finish(ex.start(grad[n:].contiguous(), layer, BACKWARD))
+        return grad[:n].index_add(0, self.send_rows, back.to(grad.dtype))
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, gather: SourceGather, layer: int) -> torch.Tensor:
+        ctx.gather, ctx.layer = gather, layer
+        return gather.forward(flat, layer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.gather.backward(grad, ctx.layer), None, None
+
+
+def _local_in_edges(plan: RankPlan, self_loops: bool) -> CSRMatrix:
+    """Every in-edge of the owned rows: columns ``0..n-1`` are owned rows, ``n + k`` received row
+    ``k``; with ``self_loops`` exactly one loop per row (existing loops replaced, as one process does)."""
+    n = plan.n_owned
+    rows = np.concatenate([rows_of(plan.A.indptr), rows_of(plan.R.indptr)])
+    cols = np.concatenate([plan.A.indices, n + plan.R.indices]).astype(np.int64)
+    if self_loops:
+        keep = rows != cols
+        rows = np.concatenate([rows[keep], np.arange(n)])
+        cols = np.concatenate([cols[keep], np.arange(n)])
+    order = np.lexsort((cols, rows))
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(rows, minlength=n), out=indptr[1:])
+    return CSRMatrix.from_numpy(indptr, cols[order], None, n, n + int(plan.R.n_cols))
+
+
+class AttentionOperand(Operand):
+    """Layer ``layer``'s operand for an attention layer on this rank (see the module docstring)."""
+
+    edge_values = True
+
+    def __init__(self, gather: SourceGather, layer: int, backend: str, self_loops: bool = False) -> None:
+        self.gather, self.layer, self.backend, self.self_loops = gather, layer, backend, self_loops
+        self.local = local_operand(gather.in_edges(self_loops), backend)
+
+    @property
+    def num_rows(self) -> int:
+        return self.local.num_rows
+
+    @property
+    def num_cols(self) -> int:
+        return self.local.num_cols
+
+    def spmm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return self.local.spmm(x, weight)
+
+    def spmm_t(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return self.local.spmm_t(g, weight)
+
+    def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.local.sddmm_dot(g, x)
+
+    def in_degree(self) -> torch.Tensor:
+        return self.local.in_degree()
+
+    def edge_structure(self) -> CSRMatrix:
+        return self.local.matrix
+
+    def gather_sources(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = self.gather.n_owned
+        widths = [int(np.prod(x.shape[1:])) if x.dim() > 1 else 1 for x in xs]
+        flat = torch.cat([x.reshape(n, w) for x, w in zip(xs, widths, strict=True)], 1)
+        both = _Gather.apply(flat, self.gather, self.layer)
+        parts = torch.split(both, widths, dim=1)
+        return tuple(p.reshape(-1, *x.shape[1:]) for p, x in zip(parts, xs, strict=True))
+
+    def source_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rows.to(torch.int64), self.gather.recv_ids])
+
+    def _variant(self, self_loops: bool) -> AttentionOperand:
+        if self_loops == self.self_loops:
+            return self
+        return AttentionOperand(self.gather, self.layer, self.backend, self_loops)
+
+    def pattern(self) -> AttentionOperand:
+        return self._variant(False)
+
+    def with_self_loops(self) -> AttentionOperand:
+        return self._variant(True)
+
+    def weighted(self) -> Operand:
+        raise ConfigError("an attention layer's operand has no edge weights (GAT ignores them)")
+
+    def gcn_normalized(self, add_self_loops: bool = True, improved: bool = False) -> Operand:
+        raise ConfigError("an attention layer's operand is not GCN-normalised: give gcn layers the halo operand")
