@@ -9,6 +9,7 @@ decoded rows consumed before the same exchange runs again."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,7 @@ class Exchange:
 
             send_split = [int(b) for b in wire_bytes(np.asarray(send), width, self.bits)]
             recv_split = [int(b) for b in wire_bytes(np.asarray(recv), width, self.bits)]
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+            seed = quantization_seed(layer, direction, self.comm.rank)
             key = (layer, direction, width)
             payload = self._buffer(("send", *key), (sum(send_split),), torch.uint8)
             with Timer(self.log, layer, direction, "quantize_s"):
@@ -106,6 +107,15 @@ class Exchange:
         with Timer(self.log, p.layer, p.direction, "quantize_s"):
             decode(p.out, width, self.bits, p.recv, out=rows)
         return rows.view(rows.shape[0], *p.shape).to(p.dtype)
+
+
+def quantization_seed(layer: int, direction: int, rank: int) -> int:
+    """The stochastic-rounding seed of one exchange, hashed from torch's default generator state
+    (so ``torch.manual_seed`` and checkpoints govern it) without drawing from it: quantizing does
+    not shift the dropout and label-propagation draws, which then match a 32-bit or one-process run."""
+    state = torch.default_generator.get_state().numpy().tobytes()
+    salt = np.array([layer, direction, rank], dtype=np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(state + salt, digest_size=8).digest(), "little") >> 1
 
 
 def all_to_all_flat(comm: Comm, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
