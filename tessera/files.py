@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +14,14 @@ from typing import Any
 import numpy as np
 
 
+def _temp_pattern(path: Path) -> re.Pattern[str]:
+    # mkstemp's names as atomic_write asks for them: ".<name>." + 8 of [a-z0-9_] + ".tmp"
+    return re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}" + re.escape(".tmp"))
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename onto ``path``."""
+    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, rename it onto ``path``,
+    then fsync the directory so the rename itself survives a crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -35,9 +42,22 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
         os.close(dir_fd)
 
 
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Delete the temporary files a killed :func:`atomic_write` of ``path`` left beside it (only
+    names of exactly its pattern); returns them. Call it only while nothing else writes ``path``."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    pattern = _temp_pattern(path)
+    stale = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and not p.is_dir()]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as indented JSON atomically."""
-    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
+    """Write ``obj`` as indented JSON atomically (a NaN or infinity is refused: JSON has none)."""
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"))
 
 
 def save_npy(path: str | Path, arr: Any) -> None:

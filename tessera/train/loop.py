@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from tessera.comm.accounting import add_epoch
 from tessera.comm.group import Comm, env_world_size, single_process
-from tessera.errors import ConfigError, DistributedError
-from tessera.files import write_json
+from tessera.errors import ConfigError, DistributedError, TesseraError
+from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
 from tessera.threads import set_num_threads
 from tessera.train.allocator import retain_freed_memory
-from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
 from tessera.train.config import TrainConfig
 from tessera.train.setup import prepare
 
@@ -47,6 +50,11 @@ _RESUME_KEYS = (
 def peak_rss_mb() -> float:
     """Peak resident set size of this process in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _json_line(rec: dict[str, Any]) -> str:
+    # JSON has no NaN or infinity; the loop stops before a non-finite value could reach a record.
+    return json.dumps(rec, allow_nan=False) + "\n"
 
 
 def default_out_dir(cfg: TrainConfig) -> Path:
@@ -164,8 +172,11 @@ class Trainer:
         }
 
     def load_state(self, ckpt: dict[str, Any]) -> None:
-        """Restore a checkpoint written by :meth:`state`, after checking it belongs to this run."""
-        if ckpt.get("graph") != self.fingerprint():
+        """Restore a checkpoint written by :meth:`state`, after checking every field and that it
+        belongs to this run; a bad field raises :class:`TesseraError` before anything changes."""
+        path = self.out / CHECKPOINT
+        check_layout(ckpt, path, _RESUME_KEYS)
+        if ckpt["graph"] != self.fingerprint():
             raise ConfigError(
                 f"checkpoint in {self.out} was written for a different graph; use another --out or drop --resume"
             )
@@ -176,11 +187,29 @@ class Trainer:
                     f"checkpoint in {self.out} has {k}={old.get(k)!r} but this run has {getattr(self.cfg, k)!r}; "
                     "use the same settings or another --out"
                 )
+        check_contents(ckpt, path, self.model, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
         self.epoch, self.best, self.bad_epochs = ckpt["epoch"], ckpt["best"], ckpt["bad_epochs"]
         self.history = list(ckpt["history"])
+        if self.log is not None:
+            self._restore_comm_totals(path)
+
+    def _restore_comm_totals(self, path: Path) -> None:
+        """Communication totals of the checkpointed epochs, from the per-epoch records in the history
+        (every rank's counters, all-reduced when they were gathered, so the same on every rank)."""
+        self.comm_totals = {}
+        for rec in self.history:
+            if "comm" in rec:
+                add_epoch(self.comm_totals, rec["comm"])
+        missing = len(self.history) - self.comm_totals.get("epochs", 0)
+        if missing and self.is_main:
+            print(
+                f"tessera: checkpoint {path} has no communication records for {missing} of its "
+                f"{len(self.history)} epochs; the communication totals leave those epochs out",
+                file=sys.stderr,
+            )
 
     def _checkpoint(self) -> None:
         if self.is_main:
@@ -191,9 +220,7 @@ class Trainer:
         if not self.is_main:
             return open(os.devnull, "w")
         path = self.out / METRICS
-        with open(path, "w") as f:
-            for rec in self.history:
-                f.write(json.dumps(rec) + "\n")
+        atomic_write(path, lambda tmp: tmp.write_text("".join(map(_json_line, self.history))))
         return open(path, "a")
 
     # ------------------------------------------------------------------ the loop
@@ -202,8 +229,13 @@ class Trainer:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         ckpt_path = self.out / CHECKPOINT
+        if self.is_main:  # only rank 0 writes: what a killed write left behind is nobody's now
+            for name in (CHECKPOINT, METRICS, RESULT, PLOT):
+                remove_stale_temps(self.out / name)
         if cfg.resume and ckpt_path.exists():
             self.load_state(load_checkpoint(ckpt_path))
+        elif cfg.resume and self.is_main:
+            print(f"tessera: no checkpoint in {self.out}; starting from epoch 1", file=sys.stderr)
         metrics = self._start_metrics()
         stopped = self.bad_epochs >= cfg.patience > 0
         bar = tqdm(
@@ -223,11 +255,12 @@ class Trainer:
                 self.epoch += 1
                 ev = self.evaluate()
                 rec = {"epoch": self.epoch, "train_loss": loss, **ev, "epoch_time_s": step}
+                self._stop_if_diverged(rec)
                 if self.log is not None:
                     rec["comm"] = self.log.gather(self.comm)
-                    self._add_comm(rec["comm"])
+                    add_epoch(self.comm_totals, rec["comm"])
                 self.history.append(rec)
-                metrics.write(json.dumps(rec) + "\n")
+                metrics.write(_json_line(rec))
                 metrics.flush()
                 better = ev["val_acc"] > self.best["val_acc"] or (
                     ev["val_acc"] == self.best["val_acc"] and ev["val_loss"] < self.best["val_loss"]
@@ -258,16 +291,15 @@ class Trainer:
             metrics.close()
         return self._finish(stopped)
 
-    def _add_comm(self, epoch_comm: dict[str, Any]) -> None:
-        """Accumulate one epoch's bytes (per layer and direction) and bottleneck-rank times."""
-        t = self.comm_totals
-        for kind in ("bytes_data", "bytes_params"):
-            per = torch.tensor(epoch_comm[kind]).sum(dim=(2, 3))  # layer x direction
-            t[kind] = (torch.tensor(t[kind]) + per).tolist() if kind in t else per.tolist()
-        for name in ("exchange_s", "quantize_s", "compute_s"):
-            per = torch.tensor(epoch_comm[name]).amax(dim=2)  # slowest rank per layer x direction
-            t[name] = (torch.tensor(t[name]) + per).tolist() if name in t else per.tolist()
-        t["epochs"] = t.get("epochs", 0) + 1
+    def _stop_if_diverged(self, rec: dict[str, Any]) -> None:
+        """Stop the run, before the epoch is recorded or checkpointed, on a NaN or infinite loss
+        (the same on every rank: both losses are all-reduced)."""
+        for key, what in (("train_loss", "training loss"), ("val_loss", "validation loss")):
+            if not math.isfinite(rec[key]):
+                raise TesseraError(
+                    f"training diverged at epoch {self.epoch}: the {what} is {rec[key]}; "
+                    f"lower --lr (now {self.cfg.lr:g}) and train again without --resume"
+                )
 
     def _finish(self, stopped: bool) -> dict[str, Any]:
         if self.best["state"] is not None:
