@@ -1,22 +1,33 @@
 """``tessera train --nprocs N``: start N local workers with torchrun's environment and watch them.
 
-If any worker exits with an error or is killed, the others are stopped at once and the launcher
-exits non-zero with one line naming the rank, so a dead worker never leaves the job hanging.
-(Workers blocked in a collective on a dead peer would also raise after ``--timeout``.)
+If any worker exits with an error or is killed, the others are stopped and the launcher prints one
+line naming the rank that failed first, so a dead worker never leaves the job hanging. (Workers
+blocked in a collective on a dead peer would also raise after ``--timeout``.) Exit statuses: 0 when
+every rank succeeds, 2 for a user error (printed once), :data:`PEER_FAILED` when a worker died or
+lost a peer.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
-from tessera.errors import TesseraError
+from tessera.errors import DistributedError
+
+USER_ERROR = 2
+#: Exit status of a worker that failed because a peer did (see ``tessera.cli.main``), and of the
+#: launcher and of torchrun workers when a worker died or a collective broke: not the user's input.
+PEER_FAILED = 3
+_LOG_TAIL = 20  # lines of a failed non-zero rank's stderr shown above the error line
 
 
 def free_port() -> int:
@@ -27,6 +38,8 @@ def free_port() -> int:
 
 
 def _describe(code: int) -> str:
+    if code == PEER_FAILED:
+        return "lost a peer in a collective (a connection broke, or a peer hung past --timeout)"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -35,18 +48,71 @@ def _describe(code: int) -> str:
     return f"exited with status {code}"
 
 
-PEER_FAILED = 3  # a worker that failed only because a peer did (see tessera.cli.main)
+def _aftermath(code: int) -> int:
+    """How likely a failed rank's exit status is the aftermath of another rank's failure: 0 for a
+    cause (a signal from outside, a user error, a crash), 1 for SIGABRT (gloo can abort a rank
+    whose peer's socket closed), 2 for PEER_FAILED (the rank caught the broken collective)."""
+    if code == PEER_FAILED:
+        return 2
+    return 1 if code == -signal.SIGABRT else 0
 
 
-def _error_line(log) -> str | None:
+def first_failure(exits: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The ``(rank, status)`` to blame among failed ranks' exits in the order they were seen: the
+    first cause, else the first SIGABRT, else the first PEER_FAILED. Two exits seen together can
+    be out of order by a scheduling delay, but a rank that failed because a peer did never exits
+    as a cause, so the dead peer is named however close the two were."""
+    order = range(len(exits))
+    return exits[min(order, key=lambda i: (_aftermath(exits[i][1]), i))]
+
+
+def _watch(procs: Sequence[subprocess.Popen]) -> queue.Queue:
+    """A queue that receives ``(rank, status)`` as each worker exits: one thread per worker blocks
+    in ``waitpid`` on it, so exits arrive in the order they happen, not a polling interval's."""
+    exits: queue.Queue = queue.Queue()
+    for rank, p in enumerate(procs):
+        threading.Thread(target=lambda r=rank, q=p: exits.put((r, q.wait())), daemon=True).start()
+    return exits
+
+
+def _collect(exits: queue.Queue, nprocs: int, grace_s: float) -> list[tuple[int, int]] | None:
+    """Wait for the workers: ``None`` when all succeed, else the failed ranks' ``(rank, status)``
+    in the order seen. After the first failure the others get ``grace_s`` to fail too, so the
+    cause is told from its aftermath, but no longer than until a cause is seen and rank 0 (which
+    prints its own user error) has exited."""
+    done: dict[int, int] = {}
+    deadline = math.inf
+    while len(done) < nprocs:
+        failed = [c for c in done.values() if c != 0]
+        if failed:
+            deadline = min(deadline, time.monotonic() + grace_s)
+            if 0 in done and min(map(_aftermath, failed)) == 0:
+                break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            rank, code = exits.get(timeout=min(left, 0.5))  # bounded, so Ctrl-C reaches the launcher
+        except queue.Empty:
+            continue
+        done[rank] = code
+    return [(r, c) for r, c in done.items() if c != 0] or None
+
+
+def _log_text(log) -> str:
     log.seek(0)
-    lines = [s for s in log.read().splitlines() if s.startswith("tessera: error")]
+    return log.read()
+
+
+def _error_line(text: str) -> str | None:
+    lines = [s for s in text.splitlines() if s.startswith("tessera: error")]
     return lines[-1] if lines else None
 
 
-def launch(argv: Sequence[str], nprocs: int, poll_s: float = 0.05, grace_s: float = 2.0) -> int:
+def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
     """Run ``python -m tessera <argv>`` as ``nprocs`` ranks over gloo/NCCL on 127.0.0.1; returns 0
-    when every rank succeeds, else raises :class:`TesseraError` naming the first rank that failed."""
+    when every rank succeeds or 2 after a user error printed once; raises
+    :class:`DistributedError` naming the rank that failed first when a worker died or broke."""
     port = free_port()
     procs: list[subprocess.Popen] = []
     # Each worker gets its share of the cores unless the user chose (as torchrun does).
@@ -55,59 +121,47 @@ def launch(argv: Sequence[str], nprocs: int, poll_s: float = 0.05, grace_s: floa
     # Rank 0 keeps the terminal (progress bar, messages); the others write to files the
     # launcher reads only to name a failure, so a shared error is printed once, not N times.
     logs = [None] + [tempfile.TemporaryFile(mode="w+") for _ in range(1, nprocs)]
-    for rank in range(nprocs):
-        env = {
-            **os.environ,
-            **threads,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nprocs),
-            "LOCAL_WORLD_SIZE": str(nprocs),
-            "TESSERA_LAUNCHER_PID": str(os.getpid()),
-        }
-        procs.append(subprocess.Popen([sys.executable, "-m", "tessera", *argv], env=env, stderr=logs[rank]))
-    failed: tuple[int, int] | None = None
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                # Give the first failure's root cause a moment to show: a rank whose peer died
-                # exits PEER_FAILED, the dead one by a signal or its own error.
-                # Rank 0 prints its own one-line error; let it finish so one message is shown.
-                end = time.time() + grace_s
-                while time.time() < end and (all(c == PEER_FAILED for _, c in bad) or procs[0].poll() is None):
-                    time.sleep(poll_s)
-                    bad = [(r, c) for r, p in enumerate(procs) if (c := p.poll()) not in (None, 0)]
-                failed = next(((r, c) for r, c in bad if c != PEER_FAILED), bad[0])
-                break
-            if all(c == 0 for c in codes):
-                for log in logs[1:]:
-                    log.close()
-                return 0
-            time.sleep(poll_s)
+        for rank in range(nprocs):
+            env = {
+                **os.environ,
+                **threads,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nprocs),
+                "LOCAL_WORLD_SIZE": str(nprocs),
+                "TESSERA_LAUNCHER_PID": str(os.getpid()),
+            }
+            procs.append(subprocess.Popen([sys.executable, "-m", "tessera", *argv], env=env, stderr=logs[rank]))
+        failed = _collect(_watch(procs), nprocs, grace_s)
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.returncode is None:
                 p.kill()
         for p in procs:
             p.wait()
-    rank, code = failed
-    codes = {r: p.returncode for r, p in enumerate(procs)}
-    errors = {r: _error_line(logs[r]) for r in range(1, nprocs)}
-    for log in logs[1:]:
-        log.close()
-    if codes[0] == 2:  # rank 0 printed its own user error
-        return 2
-    if code == 2 and errors.get(rank):
-        print(errors[rank], file=sys.stderr)
-        return 2
-    if code == PEER_FAILED:
-        raise TesseraError(f"rank {rank} of {nprocs} lost a peer in a collective; the other ranks were stopped")
-    if code == 2:  # a user error the worker already printed in one line
-        return 2
-    raise TesseraError(
-        f"rank {rank} of {nprocs} {_describe(code)}; the other ranks were stopped (rerun with --resume to continue from the last checkpoint)"
+        texts = {r: _log_text(log) for r, log in enumerate(logs) if log is not None}
+        for log in logs[1:]:
+            log.close()
+    if failed is None:
+        return 0
+    return _report(first_failure(failed), nprocs, procs[0].returncode, texts)
+
+
+def _report(blamed: tuple[int, int], nprocs: int, rank0_code: int | None, texts: dict[int, str]) -> int:
+    """Show the user one line about the failed run and return its exit status, or raise."""
+    rank, code = blamed
+    if rank0_code == USER_ERROR:  # rank 0 printed its own user error on the terminal
+        return USER_ERROR
+    if code == USER_ERROR and (line := _error_line(texts.get(rank, ""))):
+        print(line, file=sys.stderr)  # another rank's user error, relayed once
+        return USER_ERROR
+    tail = texts.get(rank, "").strip().splitlines()[-_LOG_TAIL:]
+    if tail and code != PEER_FAILED:  # a crash's traceback or gloo's last words, lost with the log else
+        print("\n".join([f"rank {rank} stderr:", *tail]), file=sys.stderr)
+    raise DistributedError(
+        f"rank {rank} of {nprocs} {_describe(code)}; the other ranks were stopped "
+        "(rerun with --resume to continue from the last checkpoint)"
     )

@@ -212,10 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_kernels(args)
         return _cmd_info(args)
     except DistributedError as e:
-        if os.environ.get("TESSERA_LAUNCHER_PID"):
-            return PEER_FAILED  # the launcher names the rank that failed first
-        print(f"tessera: error: {e}", file=sys.stderr)
-        return 1
+        # A worker died or a collective broke: not the user's input, so not status 2. Under
+        # tessera's launcher the launcher prints the one line, naming the rank that failed first.
+        if not os.environ.get("TESSERA_LAUNCHER_PID"):
+            print(f"tessera: error: {e}", file=sys.stderr)
+        return PEER_FAILED
     except TesseraError as e:
         print(f"tessera: error: {e}", file=sys.stderr)
         return 2
