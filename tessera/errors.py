@@ -22,4 +22,5 @@ class ConfigError(TesseraError):
 
 
 class DistributedError(TesseraError):
-    """A distributed job lost a rank, timed out, or was given mismatched partition files."""
+    """A distributed job lost a rank or timed out in a collective (the CLI exits 3, not 2: the
+    input may be fine). Bad partition files are a :class:`DatasetError`."""
