@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
         help="partition | tensor: how --nprocs ranks split a layer (halo exchange, or MixGCN's feature split; "
         "default partition)",
     )
+    t.add_argument(
+        "--pipeline-stages",
+        type=int,
+        help="tensor strategy: row batches whose all-to-all back overlaps the next batch's aggregation (default 1)",
+    )
     t.add_argument("--remote-agg", help="post | pre | prepost: how remote in-edges are aggregated (default prepost)")
     t.add_argument("--partition", help="metis | range | random (default metis)")
     t.add_argument(
@@ -170,6 +175,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_partition(args: argparse.Namespace) -> int:
     from tessera.datasets import load
+    from tessera.graph.bandwidth import format_order_report, order_report
     from tessera.graph.partition import format_partition_report, partition, partition_stats, write_parts
     from tessera.graph.partition.halo import compare_modes
 
@@ -181,6 +187,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
         "rows sent per exchange (total / busiest rank): "
         + ", ".join(f"{m} {r['total']:,} / {r['max_rank']:,}" for m, r in rows.items())
     )
+    print(format_order_report(order_report(g, args.parts, args.method, args.seed)))
     if args.out:
         print(f"wrote {write_parts(g, part, args.out, method=args.method)}")
     return 0

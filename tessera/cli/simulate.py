@@ -62,6 +62,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="partition",
         help="partition | tensor | partition,tensor: tensor adds MixGCN's volumes beside prepost (default partition)",
     )
+    s.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="tensor strategy's pipeline stages, as train --pipeline-stages: below 32 bits each stage's "
+        "blocks carry their own quantization groups (default 1)",
+    )
     s.add_argument("--remote-agg", default="all", help="pre | post | prepost | all, or a comma list (default all)")
     s.add_argument("--comm-bits", default="32,2", help="comma list from 32,8,4,2 (default 32,2)")
     s.add_argument(
@@ -129,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--label-prop must be in [0, 1), got {args.label_prop}")
     if args.layers < 1 or args.hidden < 1:
         raise ConfigError(f"--layers and --hidden must be at least 1, got {args.layers} and {args.hidden}")
+    if args.pipeline_stages < 1:
+        raise ConfigError(f"--pipeline-stages must be at least 1, got {args.pipeline_stages}")
     if not 0 <= args.table_layer < args.layers:
         raise ConfigError(f"--table-layer must be in [0, {args.layers}), got {args.table_layer}")
     t0 = time.perf_counter()
@@ -148,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
         vol["timing_s"]["total"] = time.perf_counter() - t
         runs.append({"vol": vol, "proj": proj})
         if "tensor" in strategies:
-            runs[-1]["tensor"] = tensor_volumes(g, p, specs, args.method, args.seed, args.norm, args.label_prop)
+            runs[-1]["tensor"] = tensor_volumes(
+                g, p, specs, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
+            )
     plot = str(write_plot(runs, args.plot)) if args.plot else None
     if args.json:
         doc = json.loads(to_json(runs, m, plot, args.table_layer))
@@ -188,11 +199,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_tensor_table(runs: list[dict[str, Any]]) -> str:
-    """Tensor parallelism's fp32 volume per P beside prepost's, and the first P where it is smaller."""
+    """Tensor parallelism's volume per P (per bit width) beside prepost's fp32 volume, and the
+    first P where tensor's fp32 volume is the smaller."""
+    bits = list(runs[0]["tensor"]["bits"]) if runs else []
+    stages = runs[0]["tensor"]["stages"] if runs else 1
     lines = [
-        "tensor parallelism (MixGCN), fp32, per training epoch:",
-        f"{'P':>6} {'tensor MB':>11} {'busiest MB':>11} {'feature MB/rank':>16} {'FLOPs max/mean':>15} "
-        f"{'prepost MB':>11} {'tensor/prepost':>15}",
+        f"tensor parallelism (MixGCN), per training epoch{f', {stages} pipeline stages' if stages > 1 else ''}:",
+        f"{'P':>6} "
+        + " ".join(f"{f'tensor MB {b}b':>14}" for b in bits)
+        + f" {'busiest MB 32b':>14} {'feature MB/rank':>16} {'FLOPs max/mean':>15} {'prepost MB':>11} {'tensor/prepost':>15}",
     ]
     crossover = None
     for r in runs:
@@ -203,15 +218,17 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
         if ratio is not None and ratio < 1 and crossover is None:
             crossover = tv["parts"]
         lines.append(
-            f"{tv['parts']:>6} {tv['bytes'] / 1e6:>11.3f} {tv['max_rank_bytes'] / 1e6:>11.3f} "
-            f"{tv['feature_bytes_max'] / 1e6:>16.3f} {tv['flops_max_over_mean']:>15.3f} "
+            f"{tv['parts']:>6} "
+            + " ".join(f"{tv['bits'][b]['bytes'] / 1e6:>14.3f}" for b in bits)
+            + f" {tv['max_rank_bytes'] / 1e6:>14.3f} {tv['feature_bytes_max'] / 1e6:>16.3f} "
+            f"{tv['flops_max_over_mean']:>15.3f} "
             + (f"{pre_bytes / 1e6:>11.3f} {ratio:>14.2f}x" if pre_bytes else f"{'-':>11} {'-':>15}")
         )
     if any("prepost" in r["vol"]["modes"] for r in runs):
         lines.append(
-            f"tensor moves fewer bytes than prepost from P = {crossover} on (of the simulated P)"
+            f"tensor moves fewer fp32 bytes than prepost from P = {crossover} on (of the simulated P)"
             if crossover
-            else "tensor moves more bytes than prepost at every simulated P"
+            else "tensor moves more fp32 bytes than prepost at every simulated P"
         )
     return "\n".join(lines)
 

@@ -62,7 +62,9 @@ def _symmetric_pattern(graph: Graph) -> sp.csr_matrix:
     return (a + a.T).tocsr()
 
 
-def _rcm(graph: Graph) -> np.ndarray:
+def rcm_order(graph: Graph) -> np.ndarray:
+    """Reverse Cuthill-McKee order of the symmetrised pattern (``perm[new] = old``), computed
+    afresh (:func:`vertex_order` caches it)."""
     from scipy.sparse.csgraph import reverse_cuthill_mckee
 
     return np.asarray(reverse_cuthill_mckee(_symmetric_pattern(graph), symmetric_mode=True), dtype=np.int64)
@@ -94,7 +96,7 @@ def _metis(graph: Graph, parts: int) -> np.ndarray:
     # Parts in METIS's order (recursive bisection numbers neighbouring parts consecutively),
     # reverse Cuthill-McKee order inside each part: consecutive rows then share neighbours too.
     part = metis_parts(graph, parts)
-    rank = inverse_permutation(_rcm(graph))
+    rank = inverse_permutation(rcm_order(graph))
     return np.lexsort((rank, part)).astype(np.int64)
 
 
@@ -102,7 +104,7 @@ def _compute(graph: Graph, method: str, parts: int) -> np.ndarray:
     if method == "none" or graph.num_nodes == 0:
         return np.arange(graph.num_nodes, dtype=np.int64)
     if method == "rcm":
-        return _rcm(graph)
+        return rcm_order(graph)
     if method == "degree":
         return _degree(graph)
     return _metis(graph, parts)

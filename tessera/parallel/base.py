@@ -59,13 +59,14 @@ class Shard:
 @dataclass(frozen=True)
 class StrategyOptions:
     """The settings a strategy reads: aggregation backend, remote aggregation mode, partition
-    method and seed, and the exchange's bit width."""
+    method and seed, the exchange's bit width, and the tensor strategy's pipeline stages."""
 
     backend: str = "auto"
     remote_agg: str = "prepost"
     partition: str = "metis"
     seed: int = 0
     comm_bits: int = 32
+    pipeline_stages: int = 1
 
 
 def row_split(graph: Graph, comm: Comm, options: StrategyOptions) -> np.ndarray:

@@ -8,6 +8,19 @@ on the local backends, and a second all-to-all gives every rank its rows back. T
 is the transpose. Each rank sends ``n_i (d - w_i)`` values per all-to-all whatever the graph's cut,
 so the volume does not grow with P (Prop. 3.4), and the work is balanced by construction
 (Prop. 3.3). Widths not divisible by P, and P above the width (empty column slices), work.
+Both all-to-alls go through :class:`~tessera.comm.exchange.BlockExchange`: ``--comm-bits`` below
+32 quantizes them in the halo exchange's wire format, counted the same way.
+
+Fine-grained pipeline (§3.2.2, ``pipeline_stages`` s > 1): the product's output rows are cut into
+s batches, batch ``k`` holding the ``k``-th of s equal runs of every rank's rows
+(:func:`stage_rows`), so each batch's all-to-all returns a piece to every rank. Batch ``k``'s
+all-to-all back to the node split is in flight while batch ``k + 1`` is aggregated. The
+all-to-all into the feature split is not pipelined: any output row may need any rank's rows,
+so a batch can start only once every rank's columns have arrived (an idle-free pipeline on that
+side needs a bandwidth-limited order, Prop. 3.5: :mod:`tessera.graph.bandwidth` reports it). A
+batch is the same rows of the same matrix multiplied on the backend the whole product would use,
+so the result equals the unpipelined product bit for bit in float32 (below 32 bits the batches'
+blocks form other quantization groups, so the rounding differs, unbiased all the same).
 
 Every rank multiplies by the whole graph, so each holds its structure (``graph`` in the rank-block
 vertex order: rank 0's rows, then rank 1's, ...). Attention (GAT) is not run here: its per-edge
@@ -21,12 +34,17 @@ import torch
 
 from tessera.backends import LocalOperand, local_operand
 from tessera.comm.accounting import FORWARD, CommLog, Timer
-from tessera.comm.exchange import all_to_all_flat
+from tessera.comm.exchange import BlockExchange, Blocks
 from tessera.errors import ConfigError
 from tessera.graph import Graph
+from tessera.graph.csr import CSRMatrix, CSRStructure, rows_of
 from tessera.graph.order import permute_graph
+from tessera.memo import PlanCache
 from tessera.parallel.base import ExchangeOperand, Shard, Strategy, row_split
 from tessera.sparse import LayerSpec, Operand
+
+TO_COLS, TO_ROWS = 1, 2  # exchange tags: node -> feature split; feature -> node split (stage k: TO_ROWS + k)
+_batches = PlanCache()  # per matrix: its row batches, per direction, stage count and row split
 
 
 def column_bounds(width: int, world: int) -> list[int]:
@@ -34,28 +52,96 @@ def column_bounds(width: int, world: int) -> list[int]:
     return [width * i // world for i in range(world + 1)]
 
 
+def stage_rows(counts: list[int] | np.ndarray, stages: int) -> np.ndarray:
+    """``(P, stages)`` int64: rows of rank ``q``'s block in pipeline stage ``k``, the ``k``-th of
+    ``stages`` near-equal consecutive runs of its ``counts[q]`` rows (``n k // s`` to ``n (k + 1) // s``)."""
+    n = np.asarray(counts, dtype=np.int64).reshape(-1, 1)
+    k = np.arange(stages + 1, dtype=np.int64)
+    return np.diff(n * k // int(stages), axis=1)
+
+
+def exchange_blocks(counts: list[int] | np.ndarray, width: int, stages: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The blocks of one aggregation's all-to-alls at ``width``: ``(rows, widths)``, two int64
+    ``P x P`` matrices per all-to-all, ``[i, j]`` the block rank ``i`` sends rank ``j``. First the
+    node -> feature split (``n_i`` rows of ``j``'s ``w_j`` columns), then one per pipeline stage
+    back to the node split (``j``'s stage-``k`` rows of ``i``'s ``w_i`` columns). A block without
+    values has no rows. The diagonal stays on the rank. The runtime sizes its all-to-alls and the
+    simulator its bytes from this one function."""
+    n = np.asarray(counts, dtype=np.int64)
+    w = np.diff(np.asarray(column_bounds(width, n.size), dtype=np.int64))
+    ones = np.ones((n.size, n.size), dtype=np.int64)
+    out = [(np.outer(n, w > 0), ones * w[None, :])]
+    for c in stage_rows(n, stages).T:
+        out.append((np.outer(w > 0, c), ones * w[:, None]))
+    return out
+
+
 def exchange_sizes(counts: list[int] | np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Elements rank ``i`` sends rank ``j`` (``[i, j]``, int64 ``P x P``) in one aggregation at
-    ``width``: to the feature split (``n_i w_j``: its rows of ``j``'s columns) and back to the node
-    split (``n_j w_i``: ``j``'s rows of its columns). The diagonal stays on the rank. The runtime
-    sizes its all-to-alls and the simulator its volumes from this one function."""
-    n = np.asarray(counts, dtype=np.int64)
-    b = np.asarray(column_bounds(width, n.size), dtype=np.int64)
-    w = np.diff(b)
-    return np.outer(n, w), np.outer(w, n)
+    ``width``: to the feature split (``n_i w_j``) and back to the node split (``n_j w_i``)."""
+    (r0, w0), (r1, w1) = exchange_blocks(counts, width)
+    return r0 * w0, r1 * w1
+
+
+def row_batches(matrix: CSRStructure, weight: torch.Tensor | None, counts, stages: int, transposed: bool):
+    """The product's output rows cut into the :func:`stage_rows` batches, as CSR matrices: rows
+    of ``matrix`` (``transposed`` False: batch ``k`` of ``A x`` is ``batches[k] @ x``) or columns
+    (True: batch ``k`` of ``A^T g`` is ``batches[k]^T g``), every entry in its original order."""
+    n = matrix.num_rows
+    indptr = matrix.indptr.numpy().astype(np.int64)
+    indices = matrix.indices.numpy().astype(np.int64)
+    c = stage_rows(counts, stages)
+    stage_of = np.repeat(np.tile(np.arange(stages), c.shape[0]), c.reshape(-1))
+    dst = rows_of(indptr)
+    out = []
+    for k in range(stages):
+        rows = np.flatnonzero(stage_of == k)
+        if transposed:
+            keep = stage_of[indices] == k
+            pos = np.searchsorted(rows, indices[keep])  # column -> its place in the batch
+            sub_ptr = np.concatenate([[0], np.cumsum(np.bincount(dst[keep], minlength=n))])
+            m = CSRMatrix.from_numpy(sub_ptr, pos, None, n, rows.size)
+        else:
+            keep = stage_of[dst] == k
+            sub_ptr = np.concatenate([[0], np.cumsum(indptr[rows + 1] - indptr[rows])])
+            m = CSRMatrix.from_numpy(sub_ptr, indices[keep], None, rows.size, matrix.num_cols)
+        m.edge_weight = None if weight is None else weight[torch.from_numpy(keep)]
+        out.append(m)
+    return out
 
 
 class TensorPlan:
-    """The whole graph in rank-block order and this rank's place in it."""
+    """The whole graph in rank-block order, this rank's place in it, and its exchange."""
 
-    def __init__(self, graph: Graph, counts: list[int], rank: int, backend: str, log: CommLog) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        counts: list[int],
+        rank: int,
+        backend: str,
+        log: CommLog,
+        exchange: BlockExchange,
+        stages: int = 1,
+    ) -> None:
         self.graph, self.counts, self.rank, self.backend, self.log = graph, counts, rank, backend, log
+        self.exchange, self.stages = exchange, int(stages)
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._blocks: dict[int, list[tuple[Blocks, Blocks]]] = {}
 
     @property
     def rows(self) -> slice:
         """This rank's rows in the rank-block order."""
         return slice(int(self.offsets[self.rank]), int(self.offsets[self.rank + 1]))
+
+    def blocks(self, width: int) -> list[tuple[Blocks, Blocks]]:
+        """(send, receive) blocks of this rank in each all-to-all of an aggregation at ``width``."""
+        if width not in self._blocks:
+            me = self.rank
+            self._blocks[width] = [
+                (Blocks.of(r[me], w[me]), Blocks.of(r[:, me], w[:, me]))
+                for r, w in exchange_blocks(self.counts, width, self.stages)
+            ]
+        return self._blocks[width]
 
 
 class TensorOperand(ExchangeOperand):
@@ -72,37 +158,55 @@ class TensorOperand(ExchangeOperand):
     def num_cols(self) -> int:
         return self.plan.counts[self.plan.rank]
 
-    def _exchange(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], direction: int):
-        me = self.plan.rank
-        log = self.plan.log
-        sent = [0 if q == me else s for q, s in enumerate(send_sizes)]
-        log.record(self.layer, direction, sent, 1, 32)  # one float per counted element
-        with Timer(log, self.layer, direction, "exchange_s"):
-            return all_to_all_flat(self.comm, send, send_sizes, recv_sizes)
-
     def _product(self, x: torch.Tensor, direction: int) -> torch.Tensor:
         p, world, me = self.plan, self.comm.world, self.plan.rank
-        n = p.counts
+        ex, n_me = p.exchange, p.counts[me]
         h = x.reshape(x.shape[0], -1)
         width = h.shape[1]
         b = column_bounds(width, world)
-        w = [b[j + 1] - b[j] for j in range(world)]
-        to_cols, to_rows = (m.tolist() for m in exchange_sizes(n, width))
+        blocks = p.blocks(width)
         # node split -> feature split: peer j gets my rows' columns [b[j], b[j+1])
-        send = torch.cat([h[:, b[j] : b[j + 1]].reshape(-1) for j in range(world)])
-        cols = self._exchange(send, to_cols[me], [row[me] for row in to_cols], direction)
-        cols = cols.view(sum(n), w[me])
-        with Timer(p.log, self.layer, direction, "compute_s"):
-            y = self.local.spmm(cols) if direction == FORWARD else self.local.spmm_t(cols)
-        # feature split -> node split: peer j gets its rows of my columns
-        back = self._exchange(y.contiguous().view(-1), to_rows[me], [row[me] for row in to_rows], direction)
-        out = h.new_empty((n[me], width))
-        start = 0
-        for q in range(world):
-            out[:, b[q] : b[q + 1]] = back[start : start + n[me] * w[q]].view(n[me], w[q])
-            start += n[me] * w[q]
+        send, recv = blocks[0]
+        pieces = [h[:, b[j] : b[j + 1]] for j in range(world)]
+        cols = ex.finish_blocks(ex.start_blocks(pieces, send, recv, self.layer, direction, TO_COLS))
+        cols = cols.view(sum(p.counts), b[me + 1] - b[me])
+        pending = [
+            ex.start_blocks(y, *blocks[1 + k], self.layer, direction, TO_ROWS + k)
+            for k, y in enumerate(self._aggregate(cols, direction))
+        ]
+        # feature split -> node split: peer q's block holds my stage-k rows of its columns
+        out = h.new_empty((n_me, width))
+        starts = np.concatenate([[0], np.cumsum(stage_rows([n_me], p.stages)[0])]).tolist()
+        for k, pend in enumerate(pending):
+            recv = blocks[1 + k][1]
+            for q, block in enumerate(recv.split(ex.finish_blocks(pend))):
+                if b[q + 1] > b[q]:
+                    out[starts[k] : starts[k + 1], b[q] : b[q + 1]] = block
         # a fresh tensor, not a view of one: layers may add to it in place
-        return out if x.dim() == 2 else out.view(n[me], *x.shape[1:]).clone()
+        return out if x.dim() == 2 else out.view(n_me, *x.shape[1:]).clone()
+
+    def _aggregate(self, cols: torch.Tensor, direction: int):
+        """The product's output rows (all, or one pipeline batch after another, each computed
+        when the caller asks for it, so the previous batch's exchange runs meanwhile)."""
+        p, forward = self.plan, direction == FORWARD
+        if p.stages == 1:
+            with Timer(p.log, self.layer, direction, "compute_s"):
+                y = self.local.spmm(cols) if forward else self.local.spmm_t(cols)
+            yield y
+            return
+        # the backend the whole product would run on: the batches' rows are then its rows bit for bit
+        backend = self.local._backend(cols, self.local.values, "forward" if forward else "backward")
+        for m in self._batches(not forward):
+            with Timer(p.log, self.layer, direction, "compute_s"):
+                y = backend.spmm(m, cols, m.edge_weight) if forward else backend.spmm_t(m, cols, m.edge_weight)
+            yield y
+
+    def _batches(self, transposed: bool) -> list[CSRMatrix]:
+        # the operand's values are its matrix's edge weights or none (every variant's), so the
+        # matrix and whether it is weighted name the batches
+        m, values, p = self.local.matrix, self.local.values, self.plan
+        key = (transposed, values is not None, p.stages, tuple(p.counts))
+        return _batches.get(m, key, lambda: row_batches(m, values, p.counts, p.stages, transposed))
 
     def in_degree(self) -> torch.Tensor:
         return self.local.in_degree()[self.plan.rows]
@@ -133,10 +237,8 @@ class TensorStrategy(Strategy):
             raise ConfigError(
                 "the tensor strategy runs gcn, sage and gin, not gat: use --strategy partition or one process"
             )
-        if self.options.comm_bits != 32:
-            raise ConfigError(
-                "the tensor strategy exchanges 32-bit values: drop --comm-bits or use --strategy partition"
-            )
+        if self.options.pipeline_stages < 1:
+            raise ConfigError(f"--pipeline-stages must be at least 1, got {self.options.pipeline_stages}")
 
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
@@ -146,7 +248,17 @@ class TensorStrategy(Strategy):
         counts = np.bincount(part, minlength=world).astype(np.int64).tolist()
         structure = Graph(graph.indptr, graph.indices, graph.num_nodes, edge_weight=graph.edge_weight)
         self.log = CommLog(self.comm.rank, world)
-        self.plan = TensorPlan(permute_graph(structure, order), counts, self.comm.rank, self.options.backend, self.log)
+        exchange = BlockExchange(self.comm)
+        exchange.configure(self.options.comm_bits, self.log)
+        self.plan = TensorPlan(
+            permute_graph(structure, order),
+            counts,
+            self.comm.rank,
+            self.options.backend,
+            self.log,
+            exchange,
+            self.options.pipeline_stages,
+        )
         owned = torch.from_numpy(order[self.plan.rows].astype(np.int64))
         return Shard.of_graph(graph, owned)
 

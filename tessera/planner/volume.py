@@ -193,6 +193,46 @@ def runtime_bytes(vol: dict[str, Any], mode: str, bits: int) -> dict[str, list]:
 
 
 # ---------------------------------------------------------------------------------------- tensor
+def tensor_pair_bytes(counts, width: int, bits: int, stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(data, parameter) bytes per ordered pair ``[src, dst]`` of one ``--strategy tensor``
+    aggregation at ``width`` (its all-to-all into the feature split and, per pipeline stage, back):
+    every block of :func:`~tessera.parallel.tensor.exchange_blocks` as the wire sends it. The
+    diagonal stays on the rank."""
+    from tessera.parallel.tensor import exchange_blocks
+
+    n = len(counts)
+    data, params = np.zeros((n, n), dtype=np.int64), np.zeros((n, n), dtype=np.int64)
+    for rows, widths in exchange_blocks(counts, width, stages):
+        for w in np.unique(widths):
+            d, p = block_bytes(np.where(widths == w, rows, 0), int(w), bits)
+            data += d
+            params += p
+    np.fill_diagonal(data, 0)
+    np.fill_diagonal(params, 0)
+    return data, params
+
+
+def _tensor_bits(counts: np.ndarray, plan: list[tuple[int, bool]], bits: int, stages: int) -> dict[str, Any]:
+    """Bytes of a ``--strategy tensor`` training epoch at ``bits``: per layer and direction (data
+    and parameters, as the runtime's log totals them), in all and of the busiest sender."""
+    sent = np.zeros(counts.size, dtype=np.int64)
+    layers = []
+    for i, (width, back) in enumerate(plan):
+        data, params = tensor_pair_bytes(counts, width, bits, stages)
+        one = {"data_bytes": int(data.sum()), "param_bytes": int(params.sum())}
+        layers.append({"layer": i, "width": width, "forward": one, "backward": one if back else None})
+        sent += (2 if back else 1) * (data + params).sum(axis=1)
+    exchanges = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
+    data_bytes, param_bytes = (sum(d[k] for d in exchanges) for k in ("data_bytes", "param_bytes"))
+    return {
+        "bytes": data_bytes + param_bytes,
+        "data_bytes": data_bytes,
+        "param_bytes": param_bytes,
+        "max_rank_bytes": int(sent.max()),
+        "layers": layers,
+    }
+
+
 def tensor_volumes(
     graph: Graph,
     parts: int,
@@ -201,32 +241,35 @@ def tensor_volumes(
     seed: int = 0,
     norm: str = "none",
     label_prop: float = 0.0,
+    bits=(32,),
+    stages: int = 1,
 ) -> dict[str, Any]:
     """Per training epoch of ``--strategy tensor`` on ``parts`` ranks (the runtime's row split and
-    its :func:`~tessera.parallel.tensor.exchange_sizes`): fp32 bytes in all and of the busiest
-    sender, the largest per-rank feature memory (its rows plus its column slice of every vertex),
-    and the aggregation FLOPs of the busiest rank over the mean."""
-    from tessera.parallel.tensor import exchange_sizes
-
+    its :func:`~tessera.parallel.tensor.exchange_blocks`, ``stages`` pipeline stages): fp32 bytes
+    in all and of the busiest sender, the same per bit width of ``bits`` (``bits[b]``, with data and
+    parameter bytes per layer and direction), the largest per-rank feature memory (its rows plus
+    its column slice of every vertex), and the aggregation FLOPs of the busiest rank over the mean."""
+    for b in bits:
+        if b not in COMM_BITS:
+            raise ConfigError(f"comm bits must be among {', '.join(map(str, COMM_BITS))}, got {b}")
+    if stages < 1:
+        raise ConfigError(f"pipeline stages must be at least 1, got {stages}")
     plan = exchange_layers(specs, norm, label_prop)
     part = partition(graph, parts, method, seed)
     counts = np.bincount(part, minlength=int(parts)).astype(np.int64)
-    sent = np.zeros(int(parts), dtype=np.int64)
     flops = np.zeros(int(parts), dtype=np.float64)
     memory = 0
     for width, back in plan:
-        to_cols, to_rows = exchange_sizes(counts, width)
-        pair = 4 * (to_cols + to_rows)
-        np.fill_diagonal(pair, 0)
-        passes = 2 if back else 1
-        sent += passes * pair.sum(axis=1)
         slices = np.diff([width * i // int(parts) for i in range(int(parts) + 1)])
-        flops += passes * 2.0 * graph.num_edges * slices
+        flops += (2 if back else 1) * 2.0 * graph.num_edges * slices
         memory = max(memory, int((4 * (graph.num_nodes * slices + counts * width)).max()))
+    fp32 = _tensor_bits(counts, plan, 32, stages)
     return {
         "parts": int(parts),
-        "bytes": int(sent.sum()),
-        "max_rank_bytes": int(sent.max()),
+        "stages": int(stages),
+        "bytes": fp32["bytes"],
+        "max_rank_bytes": fp32["max_rank_bytes"],
+        "bits": {int(b): fp32 if b == 32 else _tensor_bits(counts, plan, int(b), stages) for b in bits},
         "feature_bytes_max": memory,
         "flops_max_over_mean": float(flops.max() / flops.mean()) if flops.mean() > 0 else 1.0,
     }

@@ -47,6 +47,7 @@ class TrainConfig:
     parts_dir: str | None = None
     timeout: float = 300.0
     comm_bits: int = 32
+    pipeline_stages: int = 1
     norm: str = "none"
     label_prop: float = 0.0
     reorder: str = "auto"
