@@ -100,22 +100,30 @@ def _pick_planetoid(folder: Path, names: list[str], name: str | None) -> Graph:
     return load_planetoid(folder, names[0])
 
 
-def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0) -> Graph:
-    """Load a dataset file or directory, detecting its format from the layout and suffix."""
+def _no_split(split: str | None, what: str) -> None:
+    if split is not None:
+        raise DatasetError(f"--split {split!r} chooses among an OGB directory's split/ folders; {what} has none")
+
+
+def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0, split: str | None = None) -> Graph:
+    """Load a dataset file or directory, detecting its format from the layout and suffix;
+    ``split`` picks one of an OGB directory's ``split/<name>`` folders."""
     p = Path(path).expanduser()
     if p.is_dir():
         for folder in (p, p / "raw"):
             names = _planetoid_names(folder)
             if names:
+                _no_split(split, f"the Planetoid directory {folder}")
                 return _pick_planetoid(folder, names, name)
         if is_ogb_dir(p):
-            return load_ogb(p, name=name, seed=seed)
+            return load_ogb(p, name=name, seed=seed, split=split)
         raise DatasetError(
             f"{p} is a directory but not a dataset: expected Planetoid files (ind.<name>.x, ...) "
             "or an OGB layout (raw/edge.csv.gz)"
         )
     if not p.is_file():
         raise DatasetError(f"{p} does not exist")
+    _no_split(split, f"the file {p}")
     if p.suffix.lower() == ".npz":
         return load_npz(p, seed=seed, name=name)
     m = _PLANETOID_FILE.match(p.name)
@@ -124,11 +132,15 @@ def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0
     return load_edgelist(p, seed=seed, name=name)
 
 
-def load(spec: str, *, name: str | None = None, seed: int = 0, root: str | None = None) -> Graph:
+def load(
+    spec: str, *, name: str | None = None, seed: int = 0, root: str | None = None, split: str | None = None
+) -> Graph:
     """Load ``synthetic:<preset>``, a known dataset name (searched in :func:`data_roots`), or a
-    path to a ``.npz`` / edge-list file or a Planetoid / OGB directory."""
+    path to a ``.npz`` / edge-list file or a Planetoid / OGB directory; ``split`` picks one of an
+    OGB directory's ``split/<name>`` folders."""
     spec = str(spec).strip()
     if spec.lower().startswith("synthetic:"):
+        _no_split(split, f"the synthetic graph {spec}")
         return _load_synthetic(spec.split(":", 1)[1], seed, name)
     key = spec.lower()
     roots = data_roots(root)
@@ -137,11 +149,12 @@ def load(spec: str, *, name: str | None = None, seed: int = 0, root: str | None 
         if found is not None:
             kind, folder = found
             if kind == "planetoid":
+                _no_split(split, f"the Planetoid dataset {key}")
                 return load_planetoid(folder, key)
-            return load_ogb(folder, name=OGB.get(key, key), seed=seed)
+            return load_ogb(folder, name=OGB.get(key, key), seed=seed, split=split)
     path = Path(spec).expanduser()
     if path.exists():
-        return load_path(path, name=name, seed=seed)
+        return load_path(path, name=name, seed=seed, split=split)
     raise DatasetError(_not_found_message(spec, key, roots))
 
 

@@ -8,14 +8,14 @@ import sys
 from collections.abc import Sequence
 
 from tessera.cli.launch import PEER_FAILED
-from tessera.errors import DistributedError, TesseraError
+from tessera.errors import ConfigError, DistributedError, TesseraError
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error in one line and exits 2."""
+    """argparse that reports a usage error of any subcommand in one ``tessera: error:`` line and exits 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"tessera: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_dataset(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,7 @@ def _add_dataset(p: argparse.ArgumentParser) -> None:
         "--dataset", help="cora | citeseer | pubmed | ogbn-* | a path | synthetic:<preset> (default synthetic:small)"
     )
     p.add_argument("--name", help="which dataset, when a directory holds several (e.g. cora)")
+    p.add_argument("--split", help="which split/<name> folder of an OGB directory, when it holds several")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,10 +117,12 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from tessera.comm.group import env_world_size
     from tessera.train.config import FIELDS, make_config, read_toml
-    from tessera.train.loop import train
+    from tessera.train.loop import default_out_dir, train
+    from tessera.train.setup import check_out_dir
 
     flags = {k: v for k, v in vars(args).items() if k in FIELDS}
     cfg = make_config(read_toml(args.config) if args.config else {}, flags)
+    check_out_dir(cfg.out or default_out_dir(cfg))
     if cfg.nprocs > 1 and env_world_size() <= 1:
         from tessera.cli.launch import launch
 
@@ -157,7 +160,7 @@ def format_comm_summary(c: dict, world: int, bits: int) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     from tessera.datasets import load
 
-    g = load(args.dataset or "synthetic:small", name=args.name)
+    g = load(args.dataset or "synthetic:small", name=args.name, split=args.split)
     d = g.degree_stats()
     print(f"dataset      {g.name}")
     print(f"vertices     {g.num_nodes:,}")
@@ -178,8 +181,15 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     from tessera.graph.bandwidth import format_order_report, order_report
     from tessera.graph.partition import format_partition_report, partition, partition_stats, write_parts
     from tessera.graph.partition.halo import compare_modes
+    from tessera.train.config import INT_RANGES
+    from tessera.train.setup import check_out_dir
 
-    g = load(args.dataset or "synthetic:small", name=args.name)
+    lo, hi, _ = INT_RANGES["seed"]
+    if not lo <= args.seed <= hi:
+        raise ConfigError(f"--seed must be in [{lo}, {hi}], got {args.seed}")
+    if args.out:
+        check_out_dir(args.out)
+    g = load(args.dataset or "synthetic:small", name=args.name, split=args.split)
     part = partition(g, args.parts, args.method, seed=args.seed)
     print(format_partition_report(partition_stats(g, part, args.parts)))
     rows = compare_modes(g.indptr.numpy(), g.indices.numpy(), part, args.parts)
@@ -202,7 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error already printed in one line
         return int(e.code or 0)
     if args.command is None:
-        parser.print_help()
+        print(
+            "tessera: error: no command given; choose train, info, partition, simulate or kernels (see tessera --help)",
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.command == "train":

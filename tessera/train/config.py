@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ class TrainConfig:
 
     dataset: str = "synthetic:small"
     name: str | None = None
+    split: str | None = None
     model: str = "gcn"
     hidden: int = 64
     layers: int = 2
@@ -54,23 +56,26 @@ class TrainConfig:
     s_spmm: bool = False
 
     def validate(self) -> TrainConfig:
-        """Raise :class:`ConfigError` for out-of-range values; returns self."""
+        """Raise :class:`ConfigError` for mistyped or out-of-range values; returns self."""
+        for name in FIELDS:
+            v = getattr(self, name)
+            if v is not None or not _optional(name):
+                setattr(self, name, typed(name, v))
+        for name, (lo, hi, why) in INT_RANGES.items():
+            v = getattr(self, name)
+            if v is not None and not lo <= v <= hi:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {v}")
+        for name in ("dropout", "lr", "weight_decay", "timeout", "label_prop"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         checks = [
-            (self.hidden >= 1, f"--hidden must be >= 1, got {self.hidden}"),
-            (self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
             (0.0 <= self.dropout < 1.0, f"--dropout must be in [0, 1), got {self.dropout}"),
-            (self.heads >= 1, f"--heads must be >= 1, got {self.heads}"),
             (self.lr > 0, f"--lr must be positive, got {self.lr}"),
             (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
-            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
-            (self.patience >= 0, f"--patience must be >= 0 (0 disables early stopping), got {self.patience}"),
-            (self.threads is None or self.threads >= 1, f"--threads must be >= 1, got {self.threads}"),
             (
                 self.feature_norm in ("auto", "row", "none"),
                 f"--feature-norm must be auto, row or none, got {self.feature_norm!r}",
             ),
-            (self.checkpoint_every >= 1, f"--checkpoint-every must be >= 1, got {self.checkpoint_every}"),
-            (self.nprocs >= 1, f"--nprocs must be >= 1, got {self.nprocs}"),
             (
                 self.strategy in ("partition", "tensor"),
                 f"--strategy must be partition or tensor, got {self.strategy!r}",
@@ -83,7 +88,10 @@ class TrainConfig:
                 self.partition in ("metis", "range", "random"),
                 f"--partition must be metis, range or random, got {self.partition!r}",
             ),
-            (self.timeout > 0, f"--timeout must be positive seconds, got {self.timeout}"),
+            (
+                0 < self.timeout <= MAX_TIMEOUT_S,
+                f"--timeout must be positive seconds up to {MAX_TIMEOUT_S:,} (a week), got {self.timeout}",
+            ),
             (self.comm_bits in (32, 8, 4, 2), f"--comm-bits must be 32, 8, 4 or 2, got {self.comm_bits}"),
             (self.norm in ("none", "layer"), f"--norm must be none or layer, got {self.norm!r}"),
             (0.0 <= self.label_prop < 1.0, f"--label-prop must be in [0, 1), got {self.label_prop}"),
@@ -103,24 +111,88 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# Integer settings: (lowest, highest, why the bound). The caps keep a typo from asking for absurd
+# memory or processes before anything checks it.
+INT_RANGES: dict[str, tuple[int, int, str]] = {
+    "hidden": (1, 65_536, " (each hidden layer holds vertices x hidden x 4 bytes: 256 GiB at 65,536 on 1M vertices)"),
+    "layers": (1, 1024, ""),
+    "heads": (1, 256, ""),
+    "epochs": (1, 10**9, ""),
+    "patience": (0, 10**9, " (0 disables early stopping)"),
+    "seed": (0, 2**32 - 1, ""),
+    "threads": (1, 1024, ""),
+    "checkpoint_every": (1, 10**9, ""),
+    "nprocs": (1, 1024, ""),
+    "pipeline_stages": (1, 1024, ""),
+}
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_CONFIG_BYTES = 1 << 20
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _kind(name: str) -> type:
+    # Annotations are strings here (postponed evaluation): "int", "str | None", ...
+    return _KINDS[str(FIELDS[name].type).split("|")[0].strip()]
+
+
+def _optional(name: str) -> bool:
+    return "None" in str(FIELDS[name].type)
+
+
+def typed(name: str, value: Any, where: str = "") -> Any:
+    """``value`` as setting ``name`` holds it (an int for a float setting becomes a float), or a
+    ConfigError naming the key, ``where`` it came from and the type it needs."""
+    kind = _kind(name)
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise ConfigError(
+            f"setting {name!r}{where} must be {_KIND_NAMES[kind]}, got {value!r} ({type(value).__name__})"
+        )
+    return value
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """Settings from a TOML file: top-level keys or a ``[train]`` table, named like the flags."""
+    """Settings from a TOML file: all at the top level or all in a ``[train]`` table, named like
+    the flags and typed like them; anything else is a ConfigError naming the key and the file."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--config {p} is a directory; name a TOML file")
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"--config {p} is not a regular file; name a TOML file")
     try:
-        data = tomllib.loads(p.read_text())
+        with open(p, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"config file {p} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES:,} bytes; it cannot be a settings file")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-    data = data.get("train", data)
+    if "train" in data:
+        if not isinstance(data["train"], dict):
+            raise ConfigError(f"'train' in {p} must be the [train] table of settings, got {data['train']!r}")
+        others = [k for k in data if k != "train"]
+        if others:
+            raise ConfigError(
+                f"{p} has top-level keys ({', '.join(others)}) beside its [train] table; "
+                "put every setting in [train] or none"
+            )
+        data = data["train"]
     out: dict[str, Any] = {}
     for key, value in data.items():
         k = key.replace("-", "_")
+        if isinstance(value, dict):
+            raise ConfigError(f"{p} has a table [{key}]; settings go at the top level or in one [train] table")
         if k not in FIELDS:
-            raise ConfigError(f"unknown setting {key!r} in {p}; known: {', '.join(sorted(FIELDS))}")
-        out[k] = value
+            raise ConfigError(f"unknown setting {key!r} in {p}; known settings: {', '.join(sorted(FIELDS))}")
+        out[k] = typed(k, value, f" in {p}")
     return out
 
 
@@ -129,16 +201,7 @@ def make_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tra
     merged = {**file_values, **{k: v for k, v in flag_values.items() if v is not None}}
     cfg = TrainConfig()
     for k, v in merged.items():
-        default = getattr(cfg, k)
-        kind = type(default) if default is not None else (int if k == "threads" else str)
-        if kind is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        try:
-            if kind is bool and not isinstance(v, bool):
-                raise ValueError
-            if kind is float and isinstance(v, bool):
-                raise ValueError
-            setattr(cfg, k, kind(v) if v is not None else None)
-        except (TypeError, ValueError):
-            raise ConfigError(f"setting {k!r} must be {kind.__name__}, got {v!r}") from None
+        if k not in FIELDS:
+            raise ConfigError(f"unknown setting {k!r}; known settings: {', '.join(sorted(FIELDS))}")
+        setattr(cfg, k, typed(k, v))
     return cfg.validate()

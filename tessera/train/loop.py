@@ -343,7 +343,7 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
     if graph is None and not cfg.parts_dir:
         from tessera.datasets import load
 
-        graph = load(cfg.dataset, name=cfg.name)
+        graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
     if env_world_size() <= 1 and not cfg.parts_dir:
         return Trainer(cfg, graph).fit()
     from tessera.comm.group import init_from_env, shutdown

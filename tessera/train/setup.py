@@ -3,15 +3,19 @@ parallel strategy and this rank's rows, the vertex order, and the split sizes.""
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tessera.backends.ordering import resolve
 from tessera.comm.group import Comm
+from tessera.errors import ConfigError
 from tessera.graph import Graph
+from tessera.graph.formats import format_bytes, memory_limit
 from tessera.graph.order import VertexOrder
 from tessera.nn import build_model
 from tessera.nn.models import GNN
@@ -54,11 +58,51 @@ def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
     return int(source["x"].shape[1]), int(source.get("meta", {}).get("num_classes"))
 
 
+def check_out_dir(path: str | os.PathLike) -> None:
+    """Refuse a run directory that cannot be created or written, before anything is loaded or
+    written: an existing file, a path under a file, an unwritable or pseudo file system. A missing
+    directory is probed by creating and removing its first missing component."""
+    p = Path(path).absolute()
+    try:
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"--out {path} is an existing file, not a directory; name a directory for the run")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ConfigError(f"--out {path} is not writable; name a directory you can write")
+            return
+        first = p
+        while not first.parent.exists():
+            first = first.parent
+        if not first.parent.is_dir():
+            raise ConfigError(f"--out {path} cannot be created: {first.parent} is a file, not a directory")
+        first.mkdir()
+        first.rmdir()
+    except OSError as e:
+        raise ConfigError(f"--out {path} cannot be created ({e.strerror or e}); name a writable directory") from None
+
+
+def check_model_memory(cfg: TrainConfig, rows: int, in_dim: int) -> None:
+    """Refuse a model whose hidden activations and weights alone cannot fit in memory: at least
+    ``rows x hidden x (layers - 1) + in_dim x hidden`` float32 values."""
+    if cfg.layers < 2:
+        return
+    need = 4 * (rows * cfg.hidden * (cfg.layers - 1) + in_dim * cfg.hidden + cfg.hidden**2 * (cfg.layers - 2))
+    limit = memory_limit()
+    if need > limit:
+        raise ConfigError(
+            f"--hidden {cfg.hidden} with --layers {cfg.layers} on {rows:,} vertices needs at least "
+            f"{format_bytes(need)} (vertices x hidden x (layers - 1) x 4 bytes of activations, plus weights), "
+            f"more than the {format_bytes(limit)} this process can use; use a smaller --hidden"
+        )
+
+
 def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Setup:
     """Build the model, split the graph (``source`` is the whole graph, or this rank's part file
     from ``tessera partition --out``) and prepare features, order and operands for ``cfg``."""
     distributed = comm.world > 1 or not isinstance(source, Graph)
     in_dim, classes = _dims(source)
+    rows = source.num_nodes // comm.world if isinstance(source, Graph) else int(source["x"].shape[0])
+    check_model_memory(cfg, rows, in_dim)
     model = build_model(
         cfg.model,
         in_dim,

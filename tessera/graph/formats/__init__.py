@@ -1,5 +1,6 @@
 """Dataset file formats: Planetoid, gnn-benchmark .npz, OGB, text edge lists, PyG conversion."""
 
+from tessera.graph.formats._limits import format_bytes, memory_limit
 from tessera.graph.formats.edgelist import load_edgelist
 from tessera.graph.formats.npz import load_npz
 from tessera.graph.formats.ogb import is_ogb_dir, load_ogb
@@ -9,12 +10,14 @@ from tessera.graph.formats.safe_pickle import RestrictedUnpickler, safe_load
 
 __all__ = [
     "RestrictedUnpickler",
+    "format_bytes",
     "from_pyg",
     "is_ogb_dir",
     "load_edgelist",
     "load_npz",
     "load_ogb",
     "load_planetoid",
+    "memory_limit",
     "safe_load",
     "to_pyg",
 ]

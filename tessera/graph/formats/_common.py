@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from tessera.errors import DatasetError
+from tessera.graph.formats._limits import check_npy_size, npy_header
 from tessera.graph.graph import Graph, stratified_split
 
 MASKS = ("train_mask", "val_mask", "test_mask")
@@ -118,25 +120,56 @@ def default_split(y: torch.Tensor, num_classes: int, seed: int) -> dict[str, tor
     return dict(zip(MASKS, stratified_split(y, num_classes, 20, 30, seed), strict=True))
 
 
-def label_data(y: np.ndarray, masks: dict[str, torch.Tensor] | None, seed: int) -> dict[str, Any]:
-    """Node data of labels ``y``: ``y``, ``num_classes`` and the split, either the stored ``masks``
-    without unlabelled vertices or, where ``masks`` is None, the seeded :func:`default_split`."""
+def label_data(
+    y: np.ndarray, masks: dict[str, torch.Tensor] | None, seed: int, source: str, declared: int | None = None
+) -> dict[str, Any]:
+    """Node data of labels ``y``: ``y``, ``num_classes`` (see :func:`check_classes`) and the split,
+    either the stored ``masks`` without unlabelled vertices or, where ``masks`` is None, the seeded
+    :func:`default_split`."""
+    c = check_classes(y, source, declared)
     yt = torch.from_numpy(y)
-    c = num_classes_of(yt)
     split = labelled_only(masks, yt)[0] if masks is not None else default_split(yt, c, seed)
     return {"y": yt, "num_classes": c, **split}
 
 
+def check_classes(y: np.ndarray, source: str, declared: int | None = None) -> int:
+    """The number of classes of labels ``y`` (-1 marks an unlabelled vertex): ``declared`` where the
+    file names its classes, else one more than the largest label, which then needs at least half of
+    its classes to occur, so a stray label (100 among classes 0..6) is refused instead of training
+    a 101-class model."""
+    bad = np.flatnonzero(y < -1)
+    if bad.size:
+        raise DatasetError(
+            f"{source}: label of vertex {bad[0]} is {y[bad[0]]}; labels are class ids >= 0 (-1: unlabelled)"
+        )
+    lab = y[y >= 0]
+    if declared is not None:
+        if lab.size and int(lab.max()) >= declared:
+            i = int(np.flatnonzero(y >= declared)[0])
+            raise DatasetError(f"{source}: label of vertex {i} is {y[i]} but the file names only {declared} classes")
+        return declared
+    if lab.size == 0:
+        return 0
+    c = int(lab.max()) + 1
+    # More classes than twice the labelled vertices cannot have half of them used; that check
+    # comes first so that bincount never allocates for a stray huge label.
+    if c > 2 * lab.size or c > 2 * np.count_nonzero(np.bincount(lab, minlength=c)):
+        used = np.unique(lab).size
+        i = int(np.argmax(y))
+        raise DatasetError(
+            f"{source}: label {y[i]} of vertex {i} implies {c:,} classes but only {used:,} distinct labels occur; "
+            "class ids must be 0..C-1 with at least half of the C classes used (relabel the classes densely)"
+        )
+    return c
+
+
 def load_npy(path: Path, what: str) -> np.ndarray:
-    """``np.load`` with ``allow_pickle=False``; every failure becomes a DatasetError."""
+    """``np.load`` with ``allow_pickle=False`` after checking that the header's size fits the
+    file; every failure becomes a DatasetError."""
     try:
+        with open(path, "rb") as f:
+            shape, _, nbytes = npy_header(f, f"{what} file {path}")
+            check_npy_size(nbytes, os.fstat(f.fileno()).st_size - f.tell(), f"{what} file {path}", shape)
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise DatasetError(f"cannot read {what} from {path}: {e}") from e
-
-
-def num_classes_of(y: np.ndarray | torch.Tensor) -> int:
-    """One more than the largest label (0 when nothing is labelled)."""
-    y = torch.as_tensor(y)
-    lab = y[y >= 0]
-    return int(lab.max()) + 1 if lab.numel() else 0

@@ -11,30 +11,46 @@ from pathlib import Path
 import numpy as np
 
 from tessera.errors import DatasetError
+from tessera.graph.formats._limits import format_bytes, memory_limit
 
+_CHUNK = 1 << 24
 _COMMENT = re.compile(rb"(?m)^[ \t]*[#%][^\n]*")
 _WS = np.zeros(256, dtype=bool)
 _WS[[9, 10, 11, 12, 13, 32]] = True
 
 
 def read_gzip(path: Path) -> bytes:
-    """The decompressed bytes of a gzip file; DatasetError if it is missing, truncated or corrupt."""
+    """The decompressed bytes of a gzip file; DatasetError if it is missing, truncated or corrupt,
+    or decompresses to more than a third of :func:`memory_limit` (checked while streaming, before
+    it is held: joining the chunks and parsing the text need as much again)."""
+    limit = memory_limit()
+    chunks, size = [], 0
     try:
-        return gzip.decompress(path.read_bytes())
+        with gzip.open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                chunks.append(chunk)
+                size += len(chunk)
+                if 3 * size > limit:
+                    raise DatasetError(
+                        f"{path} decompresses to more than {format_bytes(size)}; holding and parsing it would need "
+                        f"more than the {format_bytes(limit)} this process can use"
+                    )
     except FileNotFoundError as e:
         raise DatasetError(f"{path} not found") from e
     except (OSError, EOFError, zlib.error) as e:
         raise DatasetError(f"{path} is not a valid gzip file (truncated or corrupt: {e})") from e
+    return b"".join(chunks)
 
 
 def _token_ok(tok: bytes, dtype: np.dtype) -> bool:
     if b"_" in tok:  # Python accepts 1_000, numpy does not
         return False
     try:
-        (int if dtype.kind in "iu" else float)(tok)
+        value = (int if dtype.kind in "iu" else float)(tok)
     except ValueError:
         return False
-    return True
+    # numpy saturates an integer beyond the dtype's range to its extreme value without a word.
+    return dtype.kind not in "iu" or np.iinfo(dtype).min < value < np.iinfo(dtype).max
 
 
 def _first_bad_token(text: bytes, dtype: np.dtype) -> tuple[int, bytes]:
@@ -54,10 +70,15 @@ def parse_numbers(text: bytes, dtype: type | np.dtype, source: str) -> np.ndarra
         with warnings.catch_warnings():
             # numpy < 2 only warns (DeprecationWarning) when it stops at an unparsable token.
             warnings.simplefilter("error", DeprecationWarning)
-            return np.fromstring(text, dtype=dtype, sep=" ")
+            values = np.fromstring(text, dtype=dtype, sep=" ")
+        if dtype.kind in "iu" and values.size:
+            info = np.iinfo(dtype)
+            if int(values.max()) == info.max or int(values.min()) == info.min:
+                raise ValueError("saturated")
+        return values
     except (ValueError, DeprecationWarning):
         lineno, tok = _first_bad_token(text, dtype)
-        kind = "an integer" if dtype.kind in "iu" else "a number"
+        kind = f"an integer within {dtype}'s range" if dtype.kind in "iu" else "a number"
         where = f", line {lineno}" if lineno else ""
         raise DatasetError(f"{source}{where}: {tok.decode('latin1')!r} is not {kind}") from None
 

@@ -9,6 +9,7 @@ import torch
 
 from tessera.errors import DatasetError
 from tessera.graph.formats._common import label_data, labels_from_array, load_npy
+from tessera.graph.formats._limits import check_vertex_count
 from tessera.graph.formats._text import parse_columns, parse_numbers
 from tessera.graph.graph import Graph
 
@@ -43,7 +44,18 @@ def read_edges(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     if neg.any():
         row = int(np.flatnonzero(neg)[0])
         raise DatasetError(f"{path}, line {lines[row]}: negative vertex id in {ids[row].tolist()}")
-    return ids, (values[:, 2] if ncols == 3 else None)
+    if ncols == 2:
+        return ids, None
+    weight = values[:, 2]
+    # Aggregations normalise by weighted degree, which needs finite non-negative weights.
+    bad = ~np.isfinite(weight) | (weight < 0) | (weight > np.finfo(np.float32).max)
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise DatasetError(
+            f"{path}, line {lines[row]}: edge weight {float(values[row, 2])!r} must be finite, non-negative "
+            "and within float32 range"
+        )
+    return ids, weight.astype(np.float32)
 
 
 def load_edgelist(
@@ -69,6 +81,9 @@ def load_edgelist(
         raise DatasetError(f"{feat_path}: features must be a numeric 2-D array, got {x.dtype} of shape {x.shape}")
 
     n = int(ids.max()) + 1 if ids.size else 0
+    if x is None and y is None:
+        fix = f"put features or labels in {path.stem}.features.npy / {path.stem}.labels.npy beside it to declare more"
+        check_vertex_count(n, ids.shape[0], str(path), fix)
     if x is not None:
         if ids.size and n > x.shape[0]:
             row = int(np.flatnonzero((ids >= x.shape[0]).any(1))[0])
@@ -87,7 +102,7 @@ def load_edgelist(
     if x is not None:
         node_data["x"] = torch.from_numpy(x.astype(np.float32))
     if y is not None:
-        node_data.update(label_data(y, None, seed))
+        node_data.update(label_data(y, None, seed, str(label_path)))
     g = Graph.from_edge_index(
         torch.from_numpy(np.ascontiguousarray(ids.T)),
         n,

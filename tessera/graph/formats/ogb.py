@@ -9,6 +9,7 @@ import torch
 
 from tessera.errors import DatasetError
 from tessera.graph.formats._common import MASKS, edges_to_graph, index_mask, label_data, labels_from_array
+from tessera.graph.formats._limits import check_vertex_count
 from tessera.graph.formats._text import parse_csv, read_gzip
 from tessera.graph.graph import Graph
 
@@ -26,14 +27,14 @@ def _table(path: Path, dtype: type, ncols: int | None = None) -> np.ndarray:
 
 def _split_dir(root: Path, split: str | None) -> Path | None:
     base = root / "split"
-    if split is not None:
-        if not (base / split).is_dir():
-            raise DatasetError(f"{root}: no split directory split/{split}")
-        return base / split
     subdirs = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    names = ", ".join(p.name for p in subdirs) or "none"
+    if split is not None:
+        if split not in {p.name for p in subdirs}:
+            raise DatasetError(f"{root} has no split {split!r} under split/ (it has: {names}); choose one with --split")
+        return base / split
     if len(subdirs) > 1:
-        names = ", ".join(p.name for p in subdirs)
-        raise DatasetError(f"{root} has several splits ({names}); pick one with split=")
+        raise DatasetError(f"{root} has several splits ({names}); choose one with --split (split= in Python)")
     return subdirs[0] if subdirs else None
 
 
@@ -61,11 +62,15 @@ def load_ogb(
                 f"{count_file} lists {counts.shape[0]} graphs; only single-graph node datasets are supported"
             )
         n, bound = int(counts[0, 0]), f"{count_file.name} says {int(counts[0, 0])} nodes"
+        if n < 0:
+            raise DatasetError(f"{count_file} says the graph has {n} nodes")
     else:
         n = max(
             int(edges.max()) + 1 if edges.size else 0, len(x) if x is not None else 0, len(y) if y is not None else 0
         )
         bound = ""
+    if x is None and y is None:
+        check_vertex_count(n, edges.shape[0], str(raw), "add raw/node-feat.csv.gz or raw/node-label.csv.gz")
     for what, arr in (("node-feat.csv.gz", x), ("node-label.csv.gz", y)):
         if arr is not None and arr.shape[0] != n:
             raise DatasetError(f"{raw / what} has {arr.shape[0]} rows but the graph has {n} nodes")
@@ -82,6 +87,6 @@ def load_ogb(
                 f = split_dir / f"{stem}.csv.gz"
                 if f.is_file():
                     masks[key] = index_mask(_table(f, np.int64, 1), n, str(f))
-        node_data.update(label_data(y, masks, seed))
+        node_data.update(label_data(y, masks, seed, str(raw / "node-label.csv.gz")))
     source = str(raw / "edge.csv.gz")
     return edges_to_graph(edges[:, 0], edges[:, 1], n, source=source, undirected=undirected, bound=bound, **node_data)

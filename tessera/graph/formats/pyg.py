@@ -8,6 +8,7 @@ import torch
 
 from tessera.errors import DatasetError
 from tessera.graph.formats._common import MASKS
+from tessera.graph.formats._limits import check_vertex_count
 from tessera.graph.graph import Graph
 
 
@@ -32,6 +33,10 @@ def from_pyg(data: Any, name: str = "pyg") -> Graph:
         if y.dim() == 2 and y.size(1) == 1:  # OGB stores labels as (N, 1)
             y = y.view(-1)
         node["y"] = y
+    n = int(data.num_nodes)
+    backed = [len(v) for v in (node.get("x"), node.get("y")) if v is not None]
+    if not backed or n > max(backed):
+        check_vertex_count(n, int(data.edge_index.shape[-1]), "PyG data", "set data.x or data.y for every vertex")
     for m in MASKS:
         mask = getattr(data, m, None)
         if mask is None:
@@ -43,7 +48,7 @@ def from_pyg(data: Any, name: str = "pyg") -> Graph:
         node[m] = mask
     return Graph.from_edge_index(
         data.edge_index,
-        data.num_nodes,
+        n,
         edge_weight=getattr(data, "edge_weight", None),
         edge_type=getattr(data, "edge_type", None),
         **node,
