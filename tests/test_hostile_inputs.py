@@ -568,6 +568,26 @@ def usage_kernels_unknown_flag(d):
     return ["kernels", "--bogus"]
 
 
+@case("--seed must be in [0, 4294967295]")
+def simulate_seed_beyond_range(d):
+    return ["simulate", "--dataset", "synthetic:tiny", "--parts", "2", "--seed", "99999999999999999999"]
+
+
+@case("--parts values must be at most")
+def simulate_parts_beyond_range(d):
+    return ["simulate", "--dataset", "synthetic:tiny", "--parts", str(10**12)]
+
+
+@case("--width must be in [1, 65536]")
+def kernels_width_beyond_range(d):
+    return ["kernels", "--dataset", "synthetic:tiny", "--width", "1000000000"]
+
+
+@case("--threads must be in [1, 1024]")
+def kernels_threads_beyond_range(d):
+    return ["kernels", "--dataset", "synthetic:tiny", "--threads", "1000000"]
+
+
 @case("no command given")
 def usage_no_command(d):
     return []

@@ -84,16 +84,14 @@ def run(args: argparse.Namespace) -> int:
     from tessera.backends import select
     from tessera.datasets import load
     from tessera.threads import set_num_threads
+    from tessera.train.config import check_range
 
     if args.reduce not in ("sum", "mean"):
         raise ConfigError(f"--reduce must be sum or mean, got {args.reduce!r}")
-    if args.reps < 1:
-        raise ConfigError(f"--reps must be at least 1, got {args.reps}")
-    widths = _widths(args.width)
+    check_range("reps", args.reps, (1, 10_000, ""))
+    widths = [check_range("width", w, (1, 65_536, " (as train --hidden)")) for w in _widths(args.width)]
     if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be at least 1, got {args.threads}")
-        set_num_threads(args.threads)
+        set_num_threads(check_range("threads", args.threads))
     graph = load(args.dataset or "synthetic:small", name=args.name)
     rows = kernel_table(graph, widths, args.reduce, args.reps)
     if args.json:

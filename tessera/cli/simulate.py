@@ -116,6 +116,9 @@ def _bits(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(bits), reverse=True))
 
 
+MAX_PARTS = 1 << 20
+
+
 def run(args: argparse.Namespace) -> int:
     """Simulate every requested P, print the tables (or JSON), write the plot; returns 0."""
     from tessera.datasets import load
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.planner.model import CommModel, project
     from tessera.planner.report import format_table, format_table5, to_json, write_plot
     from tessera.planner.volume import simulate_volumes, tensor_volumes
+    from tessera.train.config import check_range
 
     parts = _ints(args.parts, "--parts")
     if any(p < 1 for p in parts):
@@ -134,10 +138,10 @@ def run(args: argparse.Namespace) -> int:
     m = CommModel(args.bandwidth_gbps, args.latency_us, args.quant_gbps)
     if not 0 <= args.label_prop < 1:
         raise ConfigError(f"--label-prop must be in [0, 1), got {args.label_prop}")
-    if args.layers < 1 or args.hidden < 1:
-        raise ConfigError(f"--layers and --hidden must be at least 1, got {args.layers} and {args.hidden}")
-    if args.pipeline_stages < 1:
-        raise ConfigError(f"--pipeline-stages must be at least 1, got {args.pipeline_stages}")
+    for name in ("layers", "hidden", "pipeline_stages", "seed"):
+        check_range(name, getattr(args, name))
+    if any(p > MAX_PARTS for p in parts):
+        raise ConfigError(f"--parts values must be at most {MAX_PARTS:,}, got {args.parts!r}")
     if not 0 <= args.table_layer < args.layers:
         raise ConfigError(f"--table-layer must be in [0, {args.layers}), got {args.table_layer}")
     t0 = time.perf_counter()

@@ -61,10 +61,9 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None or not _optional(name):
                 setattr(self, name, typed(name, v))
-        for name, (lo, hi, why) in INT_RANGES.items():
-            v = getattr(self, name)
-            if v is not None and not lo <= v <= hi:
-                raise ConfigError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {v}")
+        for name in INT_RANGES:
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name))
         for name in ("dropout", "lr", "weight_decay", "timeout", "label_prop"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
@@ -125,6 +124,17 @@ INT_RANGES: dict[str, tuple[int, int, str]] = {
     "nprocs": (1, 1024, ""),
     "pipeline_stages": (1, 1024, ""),
 }
+
+
+def check_range(name: str, value: int, bounds: tuple[int, int, str] | None = None) -> int:
+    """``value`` of the flag ``--name`` if it lies in ``bounds`` (default: the setting's
+    :data:`INT_RANGES` entry), else a :class:`ConfigError` naming the range."""
+    lo, hi, why = bounds or INT_RANGES[name]
+    if not lo <= value <= hi:
+        raise ConfigError(f"--{name.replace('_', '-')} must be in [{lo}, {hi}]{why}, got {value}")
+    return value
+
+
 MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_CONFIG_BYTES = 1 << 20
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool}

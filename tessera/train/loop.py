@@ -187,6 +187,12 @@ class Trainer:
                     f"checkpoint in {self.out} has {k}={old.get(k)!r} but this run has {getattr(self.cfg, k)!r}; "
                     "use the same settings or another --out"
                 )
+        # The split selects the training vertices, but checkpoints written before --split existed lack it.
+        if "split" in old and old["split"] != self.cfg.split:
+            raise ConfigError(
+                f"checkpoint in {self.out} has split={old['split']!r} but this run has {self.cfg.split!r}; "
+                "use the same --split or another --out"
+            )
         check_contents(ckpt, path, self.model, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
