@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from tessera import Graph
@@ -35,15 +38,76 @@ def dense_adjacency(g: Graph, weight: torch.Tensor | None = None, dtype=torch.fl
 
 def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:
     """``mp.spawn(fn, args)`` where ``args = (world, port, ...)``, retried once on a fresh port if a
-    worker dies by a signal: on a heavily loaded 2-core machine a gloo teardown abort (SIGABRT,
-    "terminate called without an active exception") was seen once; a second failure is real."""
-    import torch.multiprocessing as mp
-
+    worker dies by a signal (see ``_spawn``)."""
     from tessera.cli.launch import free_port
+
+    _spawn(fn, args, nprocs, lambda: (args[0], free_port(), *args[2:]))
+
+
+def spawn_groups(fn, worlds, args: tuple) -> None:
+    """``fn(rank, world, port, *args)`` for every process group size in ``worlds``, all from one
+    spawn of ``max(worlds)`` processes: ranks below P form the P-rank group, largest group first,
+    so a process imports torch and tessera once for all the groups it joins."""
+    worlds = sorted(worlds, reverse=True)
+
+    def fresh_args() -> tuple:
+        return fn, worlds, _free_ports(len(worlds)), args
+
+    _spawn(_in_groups, fresh_args(), worlds[0], fresh_args)
+
+
+def _in_groups(rank: int, fn, worlds: list[int], ports: list[int], args: tuple) -> None:
+    for world, port in zip(worlds, ports):
+        if rank < world:
+            fn(rank, world, port, *args)
+
+
+def _free_ports(n: int) -> list[int]:
+    from tessera.cli.launch import free_port
+
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    return sorted(ports)
+
+
+def _spawn(fn, args: tuple, nprocs: int, retry_args) -> None:
+    """``mp.spawn(fn, args)``, run again with ``retry_args()`` (fresh ports) if a worker dies by a
+    signal: on a heavily loaded 2-core machine a gloo teardown abort (SIGABRT, "terminate called
+    without an active exception") was seen once; a second failure is real."""
+    import torch.multiprocessing as mp
 
     try:
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)
     except mp.ProcessExitedException as e:
         if e.exit_code is None or e.exit_code >= 0:
             raise
-        mp.spawn(fn, args=(args[0], free_port(), *args[2:]), nprocs=nprocs, join=True)
+        mp.spawn(fn, args=retry_args(), nprocs=nprocs, join=True)
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """torch and tessera's numba kernels on one thread inside the block, as each rank of a test's
+    process group runs; the previous thread counts after it."""
+    import numba
+
+    from tessera.threads import set_num_threads
+
+    numba.get_num_threads()  # start numba's pool first: it resets torch's count when it starts
+    before = torch.get_num_threads(), numba.get_num_threads()
+    set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        numba.set_num_threads(before[1])
+
+
+def compile_quantize_kernels() -> None:
+    """Compile (or load) the quantized exchange's numba kernels in this process, so that ranks
+    spawned next load them from numba's on-disk cache instead of each compiling them at once."""
+    from tessera.comm.quantize import decode, encode
+
+    x = torch.rand(8, 16, generator=torch.Generator().manual_seed(0))  # leaves the global generator alone
+    for bits in (8, 4, 2):
+        decode(encode(x, bits, 0), 16, bits, 8)

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import spawn_with_retry
-from tessera.cli.launch import free_port
+from helpers import single_thread, spawn_groups
 from tessera.datasets import load
 from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer
@@ -23,6 +22,7 @@ MODES = ("post", "pre", "prepost")
 MODELS = ("gcn", "sage")
 TENSOR_MODELS = ("gcn", "sage", "gin")
 EPOCHS = 20
+WORLDS = (2, 3, 4)
 
 
 def _config(dataset, model, mode, out, strategy="partition"):
@@ -41,29 +41,32 @@ def _config(dataset, model, mode, out, strategy="partition"):
     )
 
 
-def _worker(rank, world, port, datasets, out_dir, strategy="partition"):
-    # Every (dataset, model[, mode]) run of one strategy in one process group; rank 0 writes them.
+RUNS = [("partition", m, mode) for m in MODELS for mode in MODES] + [("tensor", m, "") for m in TENSOR_MODELS]
+
+
+def _worker(rank, world, port, datasets, out_dir):
+    # Every (strategy, dataset, model[, mode]) run in one process group; rank 0 writes them.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from tessera.comm.group import init_from_env, shutdown
+    from tessera.threads import set_num_threads
 
-    torch.set_num_threads(1)
+    # One thread per rank, as tessera's launcher gives it: torch.set_num_threads alone is undone
+    # when numba's pool starts, and ranks spinning two OpenMP threads each on 2 cores crawl.
+    set_num_threads(1)
     comm = init_from_env(120)
-    runs = (
-        [(m, mode) for m in MODELS for mode in MODES] if strategy == "partition" else [(m, "") for m in TENSOR_MODELS]
-    )
-    results = {}
+    results = {"partition": {}, "tensor": {}}
     try:
         for ds, root in datasets:
             if root:
                 os.environ["TESSERA_DATA"] = root
             g = load(ds)
-            for model, mode in runs:
+            for strategy, model, mode in RUNS:
                 key = "|".join(filter(None, (ds, model, mode)))
-                cfg = _config(ds, model, mode or "prepost", Path(out_dir) / key.replace("|", "-"), strategy)
-                t = Trainer(cfg, g, comm)
+                out = Path(out_dir) / f"{world}-{strategy}-{key.replace('|', '-')}"
+                t = Trainer(_config(ds, model, mode or "prepost", out, strategy), g, comm)
                 t.fit()
                 specs = t.model.describe()
-                results[key] = {
+                res = results[strategy][key] = {
                     "loss": [h["train_loss"] for h in t.history],
                     "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
                     "bytes": t.comm_totals["bytes_data"],
@@ -71,11 +74,11 @@ def _worker(rank, world, port, datasets, out_dir, strategy="partition"):
                     "backward": [i > 0 or s.aggregates_input_grad(False) for i, s in enumerate(specs)],
                 }
                 if strategy == "tensor":
-                    results[key]["counts"] = t.strategy.plan.counts
+                    res["counts"] = t.strategy.plan.counts
     finally:
         shutdown()
     if rank == 0:
-        (Path(out_dir) / f"{strategy}.json").write_text(json.dumps(results))
+        (Path(out_dir) / f"runs-{world}.json").write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
@@ -86,30 +89,41 @@ def datasets(planetoid_root):
 @pytest.fixture(scope="module")
 def single_process(datasets, tmp_path_factory):
     ref = {}
-    for ds, root in datasets:
-        if root:
-            os.environ["TESSERA_DATA"] = root
-        g = load(ds)
-        for model in TENSOR_MODELS:
-            t = Trainer(_config(ds, model, "prepost", tmp_path_factory.mktemp("ref")), g)
-            t.fit()
-            ref[f"{ds}|{model}"] = {"loss": [h["train_loss"] for h in t.history], "params": t.model.state_dict()}
+    with single_thread():  # as the ranks run; the comparisons' tolerances do not depend on it
+        for ds, root in datasets:
+            if root:
+                os.environ["TESSERA_DATA"] = root
+            g = load(ds)
+            for model in TENSOR_MODELS:
+                t = Trainer(_config(ds, model, "prepost", tmp_path_factory.mktemp("ref")), g)
+                t.fit()
+                ref[f"{ds}|{model}"] = {"loss": [h["train_loss"] for h in t.history], "params": t.model.state_dict()}
     return ref
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_partition_parallel_matches_single_process(world, datasets, single_process, tmp_path):
-    spawn_with_retry(_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world)
-    got = json.loads((tmp_path / "partition.json").read_text())
+@pytest.fixture(scope="module")
+def group_runs(datasets, single_process, tmp_path_factory):
+    """``{P: results}``: both strategies' runs in groups of each P in WORLDS, from one spawn.
+    (After ``single_process``, which leaves the numba kernels in numba's cache for the ranks.)"""
+    out = tmp_path_factory.mktemp("groups")
+    spawn_groups(_worker, WORLDS, (datasets, str(out)))
+    return {world: json.loads((out / f"runs-{world}.json").read_text()) for world in WORLDS}
+
+
+def _assert_matches(res, ref, key):
+    assert len(res["loss"]) == EPOCHS, key
+    torch.testing.assert_close(torch.tensor(res["loss"]), torch.tensor(ref["loss"]), rtol=1e-4, atol=0, msg=key)
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(torch.tensor(res["params"][name]), value, rtol=1e-4, atol=1e-4, msg=f"{key} {name}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_partition_parallel_matches_single_process(world, group_runs, datasets, single_process):
+    got = group_runs[world]["partition"]
+    assert len(got) == len(datasets) * len(MODELS) * len(MODES)
     for key, res in got.items():
         ds, model, mode = key.split("|")
-        ref = single_process[f"{ds}|{model}"]
-        assert len(res["loss"]) == EPOCHS
-        torch.testing.assert_close(torch.tensor(res["loss"]), torch.tensor(ref["loss"]), rtol=1e-4, atol=0, msg=key)
-        for name, value in ref["params"].items():
-            torch.testing.assert_close(
-                torch.tensor(res["params"][name]), value, rtol=1e-4, atol=1e-4, msg=f"{key} {name}"
-            )
+        _assert_matches(res, single_process[f"{ds}|{model}"], key)
 
 
 def tensor_bytes(counts: list[int], width: int) -> int:
@@ -120,29 +134,24 @@ def tensor_bytes(counts: list[int], width: int) -> int:
     return sum(4 * (counts[i] * w[j] + counts[j] * w[i]) for i in range(world) for j in range(world) if i != j)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_tensor_parallel_matches_single_process_and_counts_exact_bytes(world, datasets, single_process, tmp_path):
+@pytest.mark.parametrize("world", WORLDS)
+def test_tensor_parallel_matches_single_process_and_counts_exact_bytes(world, group_runs, datasets, single_process):
     from tessera.nn import build_model
     from tessera.planner.volume import tensor_volumes
 
     # MixGCN's mixture of parallelism with dropout 0.5: the same losses and weights as one process
     # (masks keyed by global vertex id), and the logged bytes are exactly the all-to-all volumes.
-    spawn_with_retry(_worker, args=(world, free_port(), datasets, str(tmp_path), "tensor"), nprocs=world)
-    got = json.loads((tmp_path / "tensor.json").read_text())
+    got = group_runs[world]["tensor"]
     assert len(got) == len(datasets) * len(TENSOR_MODELS)
+    graphs = {ds: load(ds) for ds, _ in datasets}
     for key, res in got.items():
-        ref = single_process[key]
-        torch.testing.assert_close(torch.tensor(res["loss"]), torch.tensor(ref["loss"]), rtol=1e-4, atol=0, msg=key)
-        for name, value in ref["params"].items():
-            torch.testing.assert_close(
-                torch.tensor(res["params"][name]), value, rtol=1e-4, atol=1e-4, msg=f"{key} {name}"
-            )
+        _assert_matches(res, single_process[key], key)
         for layer, (width, back) in enumerate(zip(res["widths"], res["backward"])):
             want = EPOCHS * tensor_bytes(res["counts"], width)
             assert res["bytes"][layer] == [want, want if back else 0], (key, layer)
         # tessera simulate's tensor volume is what the runtime sent
         ds, model = key.split("|")
-        g = load(ds)
+        g = graphs[ds]
         specs = build_model(model, g.num_features, 16, g.num_classes, 2).describe()
         assert sum(map(sum, res["bytes"])) == EPOCHS * tensor_volumes(g, world, specs)["bytes"], key
     assert tensor_bytes([3, 3], 5) == 4 * (3 * 3 + 3 * 2) * 2  # rank 0 holds columns 0-1, rank 1 columns 2-4
@@ -216,12 +225,9 @@ def test_unsupported_distributed_settings_are_a_clear_error(tmp_path, extra, mes
 
 
 def test_parts_dir_training_reads_own_part_and_matches_graph_mode(tmp_path):
-    assert (
-        _tessera(
-            "partition", "--dataset", "synthetic:small", "--parts", "2", "--out", str(tmp_path / "parts")
-        ).returncode
-        == 0
-    )
+    from tessera.cli.main import main
+
+    assert main(["partition", "--dataset", "synthetic:small", "--parts", "2", "--out", str(tmp_path / "parts")]) == 0
     common = ["--epochs", "8", "--nprocs", "2", "--no-progress"]
     r1 = _tessera("train", "--parts-dir", str(tmp_path / "parts"), "--out", str(tmp_path / "a"), *common)
     r2 = _tessera("train", "--dataset", "synthetic:small", "--out", str(tmp_path / "b"), *common)
@@ -233,14 +239,16 @@ def test_parts_dir_training_reads_own_part_and_matches_graph_mode(tmp_path):
 
 
 def test_mismatched_partition_files_are_rejected(tmp_path):
+    from tessera.cli.main import main
+
     parts = tmp_path / "parts"
-    assert _tessera("partition", "--dataset", "synthetic:tiny", "--parts", "2", "--out", str(parts)).returncode == 0
+    assert main(["partition", "--dataset", "synthetic:tiny", "--parts", "2", "--out", str(parts)]) == 0
     r = _tessera("train", "--parts-dir", str(parts), "--nprocs", "3", "--out", str(tmp_path / "o"), "--no-progress")
     assert r.returncode == 2
     err = [s for s in r.stderr.splitlines() if s.startswith("tessera: error")]
     assert len(err) == 1 and "has 2 parts, expected 3" in err[0]
     other = tmp_path / "other"
-    assert _tessera("partition", "--dataset", "synthetic:small", "--parts", "2", "--out", str(other)).returncode == 0
+    assert main(["partition", "--dataset", "synthetic:small", "--parts", "2", "--out", str(other)]) == 0
     (parts / "part-1.npz").write_bytes((other / "part-1.npz").read_bytes())
     r = _tessera("train", "--parts-dir", str(parts), "--nprocs", "2", "--out", str(tmp_path / "o2"), "--no-progress")
     assert r.returncode != 0
