@@ -32,6 +32,10 @@ def _config(dataset, model, mode, out, strategy="partition"):
         model=model,
         hidden=16,
         dropout=0.5,
+        # Every random draw on for partition parallelism: dropout masks and the label-propagation
+        # draw. Tensor parallelism with label propagation drifts past 1e-4 in GIN's first weight
+        # (losses still agree), so its grid keeps dropout only until that is understood.
+        label_prop=0.5 if strategy == "partition" else 0.0,
         epochs=EPOCHS,
         patience=0,
         remote_agg=mode,
@@ -71,7 +75,7 @@ def _worker(rank, world, port, datasets, out_dir):
                     "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
                     "bytes": t.comm_totals["bytes_data"],
                     "widths": [s.aggregate_width for s in specs],
-                    "backward": [i > 0 or s.aggregates_input_grad(False) for i, s in enumerate(specs)],
+                    "backward": [i > 0 or s.aggregates_input_grad(t.cfg.label_prop > 0) for i, s in enumerate(specs)],
                 }
                 if strategy == "tensor":
                     res["counts"] = t.strategy.plan.counts
@@ -94,10 +98,14 @@ def single_process(datasets, tmp_path_factory):
             if root:
                 os.environ["TESSERA_DATA"] = root
             g = load(ds)
-            for model in TENSOR_MODELS:
-                t = Trainer(_config(ds, model, "prepost", tmp_path_factory.mktemp("ref")), g)
-                t.fit()
-                ref[f"{ds}|{model}"] = {"loss": [h["train_loss"] for h in t.history], "params": t.model.state_dict()}
+            for strategy, models in (("partition", MODELS), ("tensor", TENSOR_MODELS)):
+                for model in models:  # one process: the strategy only sets label propagation
+                    t = Trainer(_config(ds, model, "prepost", tmp_path_factory.mktemp("ref"), strategy), g)
+                    t.fit()
+                    ref[f"{strategy}|{ds}|{model}"] = {
+                        "loss": [h["train_loss"] for h in t.history],
+                        "params": t.model.state_dict(),
+                    }
     return ref
 
 
@@ -123,7 +131,7 @@ def test_partition_parallel_matches_single_process(world, group_runs, datasets, 
     assert len(got) == len(datasets) * len(MODELS) * len(MODES)
     for key, res in got.items():
         ds, model, mode = key.split("|")
-        _assert_matches(res, single_process[f"{ds}|{model}"], key)
+        _assert_matches(res, single_process[f"partition|{ds}|{model}"], key)
 
 
 def tensor_bytes(counts: list[int], width: int) -> int:
@@ -145,7 +153,7 @@ def test_tensor_parallel_matches_single_process_and_counts_exact_bytes(world, gr
     assert len(got) == len(datasets) * len(TENSOR_MODELS)
     graphs = {ds: load(ds) for ds, _ in datasets}
     for key, res in got.items():
-        _assert_matches(res, single_process[key], key)
+        _assert_matches(res, single_process[f"tensor|{key}"], key)
         for layer, (width, back) in enumerate(zip(res["widths"], res["backward"])):
             want = EPOCHS * tensor_bytes(res["counts"], width)
             assert res["bytes"][layer] == [want, want if back else 0], (key, layer)

@@ -36,8 +36,9 @@ def _config(dataset, out, mode="prepost", reorder="none"):
 def _worker(rank, world, port, datasets, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from tessera.comm.group import init_from_env, shutdown
+    from tessera.threads import set_num_threads
 
-    torch.set_num_threads(1)
+    set_num_threads(1)  # torch's and numba's pools (numba's start would undo torch.set_num_threads)
     comm = init_from_env(120)
     results = {}
     try:

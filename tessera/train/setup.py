@@ -4,6 +4,7 @@ parallel strategy and this rank's rows, the vertex order, and the split sizes.""
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,8 @@ def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
 def check_out_dir(path: str | os.PathLike) -> None:
     """Refuse a run directory that cannot be created or written, before anything is loaded or
     written: an existing file, a path under a file, an unwritable or pseudo file system. A missing
-    directory is probed by creating and removing its first missing component."""
+    directory is probed by creating and removing a uniquely named directory where its first missing
+    component would go (unique, so ranks probing the same path at once do not collide)."""
     p = Path(path).absolute()
     try:
         if p.exists():
@@ -75,8 +77,7 @@ def check_out_dir(path: str | os.PathLike) -> None:
             first = first.parent
         if not first.parent.is_dir():
             raise ConfigError(f"--out {path} cannot be created: {first.parent} is a file, not a directory")
-        first.mkdir()
-        first.rmdir()
+        os.rmdir(tempfile.mkdtemp(prefix=".tessera-probe-", dir=first.parent))
     except OSError as e:
         raise ConfigError(f"--out {path} cannot be created ({e.strerror or e}); name a writable directory") from None
 
