@@ -23,8 +23,9 @@ so the result equals the unpipelined product bit for bit in float32 (below 32 bi
 blocks form other quantization groups, so the rounding differs, unbiased all the same).
 
 Every rank multiplies by the whole graph, so each holds its structure (``graph`` in the rank-block
-vertex order: rank 0's rows, then rank 1's, ...). Attention (GAT) is not run here: its per-edge
-softmax needs every head's full feature rows of both endpoints, which the column split divides.
+vertex order: rank 0's rows, then rank 1's, ...). Attention (GAT) is not run here yet; it could
+stay exact by computing the per-vertex attention terms in the node split and sharing those
+N x heads scalars, so that every rank computes each edge's coefficient for its column slice.
 """
 
 from __future__ import annotations
