@@ -168,11 +168,6 @@ class PartitionStrategy(Strategy):
     """Each rank owns a part of the vertices and exchanges halo rows every layer."""
 
     name = "partition"
-    attention = False  # whether a layer computes attention (set by check)
-
-    def check(self, specs: list[LayerSpec]) -> None:
-        # Attention layers gather their remote sources with a post-mode exchange of their own.
-        self.attention = any(s.edge_values for s in specs)
 
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
@@ -222,10 +217,15 @@ class PartitionStrategy(Strategy):
     def _start(self, plan: RankPlan, in_weight: np.ndarray, plan_for: Callable[[str], RankPlan]) -> None:
         self.log = CommLog(self.comm.rank, self.comm.world)
         self.halo = HaloPlan(plan, in_weight, self._exchange(plan), self.options.backend)
-        self.gather = None
-        if self.attention:
-            post = plan if plan.mode == "post" else plan_for("post")
-            self.gather = SourceGather(post, self._exchange(post))
+        self._plan, self._plan_for = plan, plan_for
+        self._gather: SourceGather | None = None
+
+    def _source_gather(self) -> SourceGather:
+        """Attention layers' post-mode exchange of remote source rows, made on first use."""
+        if self._gather is None:
+            post = self._plan if self._plan.mode == "post" else self._plan_for("post")
+            self._gather = SourceGather(post, self._exchange(post))
+        return self._gather
 
     def _exchange(self, plan: RankPlan) -> Exchange:
         exchange = Exchange(self.comm, plan.send_counts, plan.recv_counts)
@@ -234,7 +234,5 @@ class PartitionStrategy(Strategy):
 
     def operand(self, spec: LayerSpec, layer: int) -> Operand:
         if spec.edge_values:
-            if self.gather is None:
-                raise ConfigError("an attention layer needs the strategy checked with it before shard()")
-            return AttentionOperand(self.gather, layer, self.options.backend)
+            return AttentionOperand(self._source_gather(), layer, self.options.backend)
         return HaloOperand(self.halo, layer, self.halo.variant("pattern"))
