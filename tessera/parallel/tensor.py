@@ -23,7 +23,9 @@ so the result equals the unpipelined product bit for bit in float32 (below 32 bi
 blocks form other quantization groups, so the rounding differs, unbiased all the same).
 
 Every rank multiplies by the whole graph, so each holds its structure (``graph`` in the rank-block
-vertex order: rank 0's rows, then rank 1's, ...). Attention (GAT) is not run here yet; it could
+vertex order: rank 0's rows, then rank 1's, ...): one read-only copy per host, mapped by each of
+its ranks, with the normalised and transposed graphs the layers derive from it
+(:mod:`tessera.parallel.shared_graph`). Attention (GAT) is not run here yet; it could
 stay exact by computing the per-vertex attention terms in the node split and sharing those
 N x heads scalars, so that every rank computes each edge's coefficient for its column slice.
 """
@@ -33,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tessera.backends import LocalOperand, local_operand
+from tessera.backends import LocalOperand
 from tessera.comm.accounting import FORWARD, CommLog, Timer
 from tessera.comm.exchange import BlockExchange, Blocks
 from tessera.errors import ConfigError
@@ -42,6 +44,7 @@ from tessera.graph.csr import CSRMatrix, CSRStructure, rows_of
 from tessera.graph.order import permute_graph
 from tessera.memo import PlanCache
 from tessera.parallel.base import ExchangeOperand, Shard, Strategy, row_split
+from tessera.parallel.shared_graph import SharedOperand, shared_graph
 from tessera.sparse import LayerSpec, Operand
 
 TO_COLS, TO_ROWS = 1, 2  # exchange tags: node -> feature split; feature -> node split (stage k: TO_ROWS + k)
@@ -252,7 +255,7 @@ class TensorStrategy(Strategy):
         exchange = BlockExchange(self.comm)
         exchange.configure(self.options.comm_bits, self.log)
         self.plan = TensorPlan(
-            permute_graph(structure, order),
+            shared_graph(self.comm, lambda: permute_graph(structure, order), "whole-graph structure"),
             counts,
             self.comm.rank,
             self.options.backend,
@@ -264,4 +267,4 @@ class TensorStrategy(Strategy):
         return Shard.of_graph(graph, owned)
 
     def operand(self, spec: LayerSpec, layer: int) -> Operand:
-        return TensorOperand(self.plan, self.comm, layer, local_operand(self.plan.graph, self.plan.backend))
+        return TensorOperand(self.plan, self.comm, layer, SharedOperand(self.plan.graph, self.comm, self.plan.backend))
