@@ -127,9 +127,8 @@ def test_first_layer_backward_rule():
     assert exchange_layers(gcn, norm="layer")[0] == (128, True)
     assert exchange_layers(gcn, label_prop=0.5)[0] == (128, True)
     assert exchange_layers(build_model("gin", 16, 8, 4, 2).describe()) == [(16, False), (8, True)]
-    gat = build_model("gat", 16, 8, 4, 2).describe()
-    with pytest.raises(ConfigError):
-        exchange_layers(gat)
+    # an attention layer's rows carry its features and one term per head (4 heads of 2, then 1 of 4)
+    assert exchange_layers(build_model("gat", 16, 8, 4, 2, heads=4).describe()) == [(12, True), (5, True)]
 
 
 # ---------------------------------------------------------------------------------------- model
