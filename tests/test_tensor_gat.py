@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import compile_quantize_kernels, single_thread, spawn_groups
+from helpers import compile_quantize_kernels, each_dataset, single_thread, spawn_groups
 from tessera.datasets import load
 from tessera.nn import build_model
 from tessera.planner.volume import tensor_volumes
@@ -71,10 +71,7 @@ def _worker(rank, world, port, datasets, out_dir):
     comm = init_from_env(120)
     results = {}
     try:
-        for ds, root in datasets:
-            if root:
-                os.environ["TESSERA_DATA"] = root
-            g = load(ds)
+        for ds, g in each_dataset(datasets):
             t = Trainer(_config(ds, Path(out_dir) / f"{world}-{ds}"), g, comm)
             losses, grads, logits, sent = _run(t, EPOCHS)
             results[ds] = {
@@ -101,10 +98,8 @@ def datasets(planetoid_root):
 def single_process(datasets, tmp_path_factory):
     ref = {}
     with single_thread():
-        for ds, root in datasets:
-            if root:
-                os.environ["TESSERA_DATA"] = root
-            t = Trainer(_config(ds, tmp_path_factory.mktemp("ref")), load(ds))
+        for ds, g in each_dataset(datasets):
+            t = Trainer(_config(ds, tmp_path_factory.mktemp("ref")), g)
             losses, grads, logits, _ = _run(t, EPOCHS)
             ref[ds] = {"loss": losses, "grads": grads, "logits": logits}
     compile_quantize_kernels()
