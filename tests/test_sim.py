@@ -131,6 +131,16 @@ def test_first_layer_backward_rule():
     assert exchange_layers(build_model("gat", 16, 8, 4, 2, heads=4).describe()) == [(12, True), (5, True)]
 
 
+def test_gat_partition_volume_is_post_rows_of_features_and_terms():
+    # what tests/test_gat_dist.py measures: every mode gathers post-mode rows of the features and
+    # one term per head, both ways, float32 (4 heads of 2, then the 4 classes in one head)
+    g = load("synthetic:tiny")
+    vol = simulate_volumes(g, 3, build_model("gat", 16, 8, 4, 2, heads=4).describe(), MODES, (32,))
+    post = int(pair_rows(*_csr(g), partition(g, 3, "metis", 0), 3, ("post",))["post"].sum())
+    for mode in MODES:
+        assert vol["modes"][mode]["bits"][32]["epoch"]["bytes"] == 2 * 4 * post * ((8 + 4) + (4 + 1)), mode
+
+
 # ---------------------------------------------------------------------------------------- model
 def _rows() -> np.ndarray:
     return np.array([[0, 100_000, 0, 5_000], [40_000, 0, 40_000, 0], [0, 0, 0, 0], [1, 1, 1, 0]])

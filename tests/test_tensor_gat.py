@@ -12,6 +12,7 @@ import torch
 from helpers import compile_quantize_kernels, each_dataset, single_thread, spawn_groups
 from tessera.datasets import load
 from tessera.nn import build_model
+from tessera.parallel.tensor_attention import head_runs
 from tessera.planner.volume import tensor_volumes
 from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer
@@ -148,3 +149,10 @@ def test_tensor_gat_matches_single_process_and_simulated_bytes(world, group_runs
     assert q["sent"][0] < fp32["sent"][0]
     # 4-bit features (the attention terms stay float32): near the float32 losses, not equal
     torch.testing.assert_close(torch.tensor(q["loss"]), torch.tensor(fp32["loss"][:2]), rtol=2e-2, atol=0)
+
+
+def test_column_slices_cut_at_heads_and_join_whole_ones():
+    assert head_runs(0, 16, 4) == [(0, 16, 0, 4)]  # whole heads: one product
+    assert head_runs(5, 10, 4) == [(5, 8, 1, 2), (8, 10, 2, 3)]  # the end of head 1, the start of head 2
+    assert head_runs(2, 13, 4) == [(2, 4, 0, 1), (4, 12, 1, 3), (12, 13, 3, 4)]
+    assert head_runs(3, 3, 4) == []  # an empty slice

@@ -279,7 +279,7 @@ class TensorAttentionOperand(TensorOperand):
         return gather_terms(self.plan.terms(), self.layer, src, dst)
 
     def edge_ids(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.plan.ids, self.plan.ids
+        return self.plan.ids, self.plan.ids  # every vertex's, which the plan holds (``rows`` among them)
 
     def spmm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         return super().spmm(x) if weight is None else self._weighted(x, weight, FORWARD)
@@ -288,9 +288,7 @@ class TensorAttentionOperand(TensorOperand):
         return super().spmm_t(g) if weight is None else self._weighted(g, weight, BACKWARD)
 
     def _weighted(self, x: torch.Tensor, weight: torch.Tensor, direction: int) -> torch.Tensor:
-        cols = self._to_cols(x, direction)
-        if self.plan.exchange.bits < 32:
-            cols = cols.clone()  # kept past the next exchange, which reuses the decoded buffer
+        cols = self._own_cols(x, direction)
         self._split[direction] = (x, cols)
         lo, head = self._columns(x)
         with Timer(self.plan.log, self.layer, direction, "compute_s"):
@@ -302,11 +300,16 @@ class TensorAttentionOperand(TensorOperand):
         width = int(np.prod(x.shape[1:]))
         return column_bounds(width, self.comm.world)[self.plan.rank], x.shape[-1] if x.dim() == 3 else width
 
+    def _own_cols(self, t: torch.Tensor, direction: int) -> torch.Tensor:
+        """:meth:`_to_cols` in a tensor of its own (below 32 bits the exchange reuses its buffer)."""
+        cols = self._to_cols(t, direction)
+        return cols.clone() if self.plan.exchange.bits < 32 else cols
+
     def _cols_of(self, t: torch.Tensor, direction: int) -> torch.Tensor:
         kept = self._split.get(direction)
         if kept is not None and kept[0] is t:
             return kept[1]
-        return self._to_cols(t, BACKWARD)  # not multiplied here before: exchange it now
+        return self._own_cols(t, BACKWARD)  # not multiplied here before: exchange it now
 
     def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """This rank's share (its columns) of every edge's per-head ``<g[i], x[j]>`` (see
