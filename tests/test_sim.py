@@ -256,3 +256,37 @@ def test_tensor_volume_is_the_all_to_all_formula_and_flat_in_p(capsys):
     out = capsys.readouterr().out
     assert "tensor parallelism (MixGCN)" in out and "prepost" in out
     assert main(["simulate", "--dataset", "synthetic:small", "--parts", "2", "--strategy", "nope"]) == 2
+
+
+def test_blocks_time_of_one_width_is_eq6():
+    from tessera.planner.model import blocks_time
+
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 500, (4, 4))
+    np.fill_diagonal(rows, 0)
+    rows[1, 2] = 0  # a silent pair adds no latency
+    m = CommModel()
+    for bits in (32, 8, 2):
+        want = exchange_time(rows, 24, bits, m)["time_s"]
+        assert blocks_time([(rows, np.full((4, 4), 24))], bits, m) == pytest.approx(want, rel=1e-12)
+
+
+def test_tensor_and_partition_memory_balance_and_plot(small, tmp_path, capsys):
+    # MixGCN Figs. 9-11 analogues: per-rank feature memory and aggregation balance of both strategies
+    specs = _specs(small, "gcn", 32, 2)
+    part = partition(small, 4, "metis", 0)
+    vol = simulate_volumes(small, 4, specs, ("prepost",), (32,))
+    owned = np.bincount(part, minlength=4)
+    received = vol["_rows"]["prepost"].sum(axis=0)
+    want = max(int((4 * w * (owned + received)).max()) for w in vol["widths"])
+    assert vol["feature_bytes_max"]["prepost"] == want
+    edges = np.bincount(part[np.repeat(np.arange(small.num_nodes), np.diff(small.indptr.numpy()))], minlength=4)
+    assert vol["flops_max_over_mean"] == pytest.approx(edges.max() / edges.mean())
+    png = tmp_path / "sim.png"
+    argv = ("--dataset", "synthetic:small", "--parts", "2,4", "--strategy", "partition,tensor", "--comm-bits", "32,8")
+    assert run(_args(*argv, "--remote-agg", "prepost", "--plot", str(png), "--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    t = doc["runs"][1]["tensor"]
+    assert t["time_s"]["32"] > 0 and t["time_s"]["8"] > 0 and "_counts" not in t
+    assert doc["runs"][1]["feature_bytes_max"]["prepost"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

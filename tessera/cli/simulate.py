@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     """Simulate every requested P, print the tables (or JSON), write the plot; returns 0."""
     from tessera.datasets import load
     from tessera.nn import build_model
-    from tessera.planner.model import CommModel, project
+    from tessera.planner.model import CommModel, project, project_tensor
     from tessera.planner.report import format_table, format_table5, to_json, write_plot
     from tessera.planner.volume import simulate_volumes, tensor_volumes
     from tessera.train.config import check_range
@@ -162,15 +162,17 @@ def run(args: argparse.Namespace) -> int:
         vol["timing_s"]["total"] = time.perf_counter() - t
         runs.append({"vol": vol, "proj": proj})
         if "tensor" in strategies:
-            runs[-1]["tensor"] = tensor_volumes(
+            tv = tensor_volumes(
                 g, p, specs, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
             )
+            tv["time_s"] = project_tensor(tv, m)
+            runs[-1]["tensor"] = tv
     plot = str(write_plot(runs, args.plot)) if args.plot else None
     if args.json:
         doc = json.loads(to_json(runs, m, plot, args.table_layer))
         for out, r in zip(doc["runs"], runs):
             if "tensor" in r:
-                out["tensor"] = r["tensor"]
+                out["tensor"] = {k: v for k, v in r["tensor"].items() if not k.startswith("_")}
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
         return 0
     v0 = runs[0]["vol"]
@@ -212,7 +214,8 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
         f"tensor parallelism (MixGCN), per training epoch{f', {stages} pipeline stages' if stages > 1 else ''}:",
         f"{'P':>6} "
         + " ".join(f"{f'tensor MB {b}b':>14}" for b in bits)
-        + f" {'busiest MB 32b':>14} {'feature MB/rank':>16} {'FLOPs max/mean':>15} {'prepost MB':>11} {'tensor/prepost':>15}",
+        + f" {'busiest MB 32b':>14} {'feature MB/rank':>16} {'FLOPs max/mean':>15} {'prepost MB':>11} {'tensor/prepost':>15}"
+        + f" {'prepost feat MB/rank':>21} {'prepost FLOPs max/mean':>23}",
     ]
     crossover = None
     for r in runs:
@@ -228,6 +231,11 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
             + f" {tv['max_rank_bytes'] / 1e6:>14.3f} {tv['feature_bytes_max'] / 1e6:>16.3f} "
             f"{tv['flops_max_over_mean']:>15.3f} "
             + (f"{pre_bytes / 1e6:>11.3f} {ratio:>14.2f}x" if pre_bytes else f"{'-':>11} {'-':>15}")
+            + (
+                f" {r['vol']['feature_bytes_max']['prepost'] / 1e6:>21.3f} {r['vol']['flops_max_over_mean']:>23.3f}"
+                if pre_bytes
+                else ""
+            )
         )
     if any("prepost" in r["vol"]["modes"] for r in runs):
         lines.append(

@@ -143,6 +143,7 @@ def simulate_volumes(
     t3 = time.perf_counter()
     owned = np.bincount(part, minlength=int(parts)).astype(np.int64)
     dst_part = np.repeat(part, np.diff(graph.indptr.numpy()))
+    edges = np.bincount(dst_part, minlength=int(parts))
     return {
         "dataset": graph.name,
         "vertices": int(graph.num_nodes),
@@ -162,6 +163,13 @@ def simulate_volumes(
         "layer_inputs": [s.in_width for s in specs],
         "cut_edges": int(np.count_nonzero(part[graph.indices.numpy()] != dst_part)),
         "owned_max": int(owned.max()),
+        # MixGCN Figs. 9 and 11 for partition parallelism: a rank's rows plus the rows it receives
+        # at each exchange width (the largest over layers), and its aggregation work (edges into its
+        # rows) over the mean
+        "feature_bytes_max": {
+            mode: max(int((4 * width * (owned + r.sum(axis=0))).max()) for width, _ in plan) for mode, r in rows.items()
+        },
+        "flops_max_over_mean": float(edges.max() / edges.mean()) if edges.mean() > 0 else 1.0,
         "modes": summary,
         "timing_s": {"partition": t1 - t0, "rows": t2 - t1, "bytes": t3 - t2},
         "_rows": rows,
@@ -307,4 +315,7 @@ def tensor_volumes(
         "bits": {int(b): fp32 if b == 32 else _tensor_bits(counts, plan, terms, int(b), stages) for b in bits},
         "feature_bytes_max": memory,
         "flops_max_over_mean": float(flops.max() / flops.mean()) if flops.mean() > 0 else 1.0,
+        "widths": [w for w, _ in plan],
+        "backward": [b for _, b in plan],
+        "_counts": counts,
     }
