@@ -141,6 +141,20 @@ def test_gat_partition_volume_is_post_rows_of_features_and_terms():
         assert vol["modes"][mode]["bits"][32]["epoch"]["bytes"] == 2 * 4 * post * ((8 + 4) + (4 + 1)), mode
 
 
+def test_gat_tensor_projection_adds_the_terms_exchanges():
+    from tessera.parallel.tensor_attention import term_blocks
+    from tessera.planner.model import blocks_time, project_tensor
+    from tessera.planner.volume import tensor_volumes
+
+    g, m = load("synthetic:tiny"), CommModel()
+    tv = tensor_volumes(g, 3, build_model("gat", 16, 8, 4, 2, heads=4).describe(), bits=(32, 2))
+    assert tv["terms"] == [8, 2]  # a source and a destination term per head
+    terms = sum(blocks_time(term_blocks(tv["_counts"], k), 32, m) for k in tv["terms"])
+    without = project_tensor({**tv, "terms": [0, 0]}, m)
+    for bits, t in project_tensor(tv, m).items():
+        assert t == pytest.approx(without[bits] + terms) and terms > 0
+
+
 # ---------------------------------------------------------------------------------------- model
 def _rows() -> np.ndarray:
     return np.array([[0, 100_000, 0, 5_000], [40_000, 0, 40_000, 0], [0, 0, 0, 0], [1, 1, 1, 0]])

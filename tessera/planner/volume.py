@@ -317,5 +317,6 @@ def tensor_volumes(
         "flops_max_over_mean": float(flops.max() / flops.mean()) if flops.mean() > 0 else 1.0,
         "widths": [w for w, _ in plan],
         "backward": [b for _, b in plan],
+        "terms": terms,
         "_counts": counts,
     }
