@@ -127,9 +127,32 @@ def test_first_layer_backward_rule():
     assert exchange_layers(gcn, norm="layer")[0] == (128, True)
     assert exchange_layers(gcn, label_prop=0.5)[0] == (128, True)
     assert exchange_layers(build_model("gin", 16, 8, 4, 2).describe()) == [(16, False), (8, True)]
-    gat = build_model("gat", 16, 8, 4, 2).describe()
-    with pytest.raises(ConfigError):
-        exchange_layers(gat)
+    # an attention layer's rows carry its features and one term per head (4 heads of 2, then 1 of 4)
+    assert exchange_layers(build_model("gat", 16, 8, 4, 2, heads=4).describe()) == [(12, True), (5, True)]
+
+
+def test_gat_partition_volume_is_post_rows_of_features_and_terms():
+    # what tests/test_gat_dist.py measures: every mode gathers post-mode rows of the features and
+    # one term per head, both ways, float32 (4 heads of 2, then the 4 classes in one head)
+    g = load("synthetic:tiny")
+    vol = simulate_volumes(g, 3, build_model("gat", 16, 8, 4, 2, heads=4).describe(), MODES, (32,))
+    post = int(pair_rows(*_csr(g), partition(g, 3, "metis", 0), 3, ("post",))["post"].sum())
+    for mode in MODES:
+        assert vol["modes"][mode]["bits"][32]["epoch"]["bytes"] == 2 * 4 * post * ((8 + 4) + (4 + 1)), mode
+
+
+def test_gat_tensor_projection_adds_the_terms_exchanges():
+    from tessera.parallel.tensor_attention import term_blocks
+    from tessera.planner.model import blocks_time, project_tensor
+    from tessera.planner.volume import tensor_volumes
+
+    g, m = load("synthetic:tiny"), CommModel()
+    tv = tensor_volumes(g, 3, build_model("gat", 16, 8, 4, 2, heads=4).describe(), bits=(32, 2))
+    assert tv["terms"] == [8, 2]  # a source and a destination term per head
+    terms = sum(blocks_time(term_blocks(tv["_counts"], k), 32, m) for k in tv["terms"])
+    without = project_tensor({**tv, "terms": [0, 0]}, m)
+    for bits, t in project_tensor(tv, m).items():
+        assert t == pytest.approx(without[bits] + terms) and terms > 0
 
 
 # ---------------------------------------------------------------------------------------- model

@@ -169,14 +169,18 @@ def project(vol: dict[str, Any], m: CommModel) -> dict[str, Any]:
 def project_tensor(tv: dict[str, Any], m: CommModel) -> dict[int, float]:
     """Projected all-to-all seconds per training epoch of :func:`~tessera.planner.volume.tensor_volumes`'
     result, per bit width: every aggregation's all-to-alls (forward, and backward where the layer
-    has one) through :func:`blocks_time`."""
+    has one) and attention layers' term all-gather and reduce-scatter (float32), through
+    :func:`blocks_time`."""
     from tessera.parallel.tensor import exchange_blocks
+    from tessera.parallel.tensor_attention import term_blocks
 
     out = {}
     for bits in tv["bits"]:
         t = 0.0
-        for width, back in zip(tv["widths"], tv["backward"]):
+        for width, back, terms in zip(tv["widths"], tv["backward"], tv["terms"], strict=True):
             one = blocks_time(exchange_blocks(tv["_counts"], width, tv["stages"]), bits, m)
             t += one * (2 if back else 1)
+            if terms:
+                t += blocks_time(term_blocks(tv["_counts"], terms)[: 2 if back else 1], 32, m)
         out[int(bits)] = t
     return out
