@@ -59,6 +59,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="masked label propagation share, as train --label-prop (default 0)",
     )
     s.add_argument(
+        "--dropout",
+        type=float,
+        default=0.5,
+        help="dropout, as train --dropout: at 0 a layer 0 that aggregates the raw features does so once, "
+        "in the first epoch, and steady epochs exchange nothing for it (default 0.5)",
+    )
+    s.add_argument(
         "--strategy",
         default="partition",
         help="partition | tensor | partition,tensor: tensor adds MixGCN's volumes beside prepost (default partition)",
@@ -137,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     if not strategies or any(s not in ("partition", "tensor") for s in strategies):
         raise ConfigError(f"--strategy must be partition, tensor or both comma-separated, got {args.strategy!r}")
     m = CommModel(args.bandwidth_gbps, args.latency_us, args.quant_gbps)
+    if not 0 <= args.dropout < 1:
+        raise ConfigError(f"--dropout must be in [0, 1), got {args.dropout}")
     if not 0 <= args.label_prop < 1:
         raise ConfigError(f"--label-prop must be in [0, 1), got {args.label_prop}")
     for name in ("layers", "hidden", "heads", "pipeline_stages", "seed"):
@@ -155,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     runs = []
     for p in parts:
         t = time.perf_counter()
-        vol = simulate_volumes(g, p, specs, modes, bits, args.method, args.seed, args.norm, args.label_prop, args.model)
+        vol = simulate_volumes(
+            g, p, specs, modes, bits, args.method, args.seed, args.norm, args.label_prop, args.model, args.dropout
+        )
         t1 = time.perf_counter()
         proj = project(vol, m)
         vol["timing_s"]["model"] = time.perf_counter() - t1
@@ -163,7 +174,16 @@ def run(args: argparse.Namespace) -> int:
         runs.append({"vol": vol, "proj": proj})
         if "tensor" in strategies:
             tv = tensor_volumes(
-                g, p, specs, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
+                g,
+                p,
+                specs,
+                args.method,
+                args.seed,
+                args.norm,
+                args.label_prop,
+                bits,
+                args.pipeline_stages,
+                args.dropout,
             )
             tv["time_s"] = project_tensor(tv, m)
             runs[-1]["tensor"] = tv
@@ -178,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     v0 = runs[0]["vol"]
     print(
         f"{v0['dataset']}: {v0['vertices']:,} vertices, {v0['edges']:,} edges; {args.model} {v0['in_dim']}->"
-        f"{args.hidden}x{args.layers - 1}->{v0['out_dim']}, exchange widths {v0['widths']}, backward exchange per layer "
+        f"{args.hidden}x{args.layers - 1}->{v0['out_dim']}, exchange widths {v0['widths']}"
+        f"{' (0: aggregated once, in the first epoch)' if 0 in v0['widths'] else ''}, backward exchange per layer "
         f"{v0['backward']}; {args.method} partition, seed {args.seed}"
     )
     print(

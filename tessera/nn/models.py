@@ -73,10 +73,14 @@ class GNN(nn.Module):
         operands = list(graph) if isinstance(graph, Sequence) else [graph] * len(self.convs)
         if len(operands) != len(self.convs):
             raise ValueError(f"{len(operands)} operands for {len(self.convs)} layers")
+        # Layer 0's input is the same raw feature tensor at every call unless something before it
+        # changes it: it may then be aggregated once (LayerHints.constant_input)
+        constant = self.norms is None and not x.requires_grad and (not self.training or self.dropout == 0.0)
         if self.label_emb is not None and label_rows is not None:
             # Even with no rows drawn, the input then requires grad on every rank, so all ranks
             # enter the same backward exchanges.
             x = x.index_add(0, label_rows, self.label_emb(labels))
+            constant = False
         # S-SpMM (MixGCN §3.2.1): with dropout right after a layer that aggregates last, its mask
         # is drawn first and only the kept outputs are aggregated; a layer that aggregates its
         # input first computes only the input-gradient entries ReLU and dropout let through.
@@ -97,7 +101,7 @@ class GNN(nn.Module):
             keep = None
             if uses_out and i < last:
                 keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout, rows)
-            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows))
+            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0))
             if i < last:
                 x = self.act(x)
         return x

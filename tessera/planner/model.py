@@ -133,6 +133,9 @@ def _exchanges(vol: dict[str, Any], mode: str, bits: int, m: CommModel) -> list[
     rows, owned = vol["_rows"][mode], vol["_owned"]
     out = []
     for layer, (width, back) in enumerate(zip(vol["widths"], vol["backward"])):
+        if not width:  # aggregated once: nothing per steady epoch
+            out.append({"layer": layer, "forward": None, "backward": None})
+            continue
         norm_w = vol["layer_inputs"][layer] if vol["norm"] == "layer" else 0
         fwd = exchange_time(rows, width, bits, m, owned, norm_w)
         bwd = exchange_time(rows.T, width, bits, m) if back else None
@@ -156,7 +159,7 @@ def project(vol: dict[str, Any], m: CommModel) -> dict[str, Any]:
             active = max(int(np.count_nonzero(rows[busiest])), 1)
             entry = {"layers": layers, "epoch": epoch}
             if bits < 32:
-                entry["eq8_layer0"] = eq7_ratios(rows[busiest].sum() / active, vol["widths"][0], bits, m)
+                entry["eq8_layer0"] = eq7_ratios(rows[busiest].sum() / active, vol["widths"][0] or 1, bits, m)
             out[mode][bits] = entry
     base = out.get("post", {}).get(32)
     for per_mode in out.values():
@@ -178,6 +181,8 @@ def project_tensor(tv: dict[str, Any], m: CommModel) -> dict[int, float]:
     for bits in tv["bits"]:
         t = 0.0
         for width, back, terms in zip(tv["widths"], tv["backward"], tv["terms"], strict=True):
+            if not width:
+                continue
             one = blocks_time(exchange_blocks(tv["_counts"], width, tv["stages"]), bits, m)
             t += one * (2 if back else 1)
             if terms:

@@ -31,20 +31,37 @@ DIRECTIONS = ("forward", "backward")
 
 
 # ---------------------------------------------------------------------------------------- layers
-def exchange_layers(specs: list[LayerSpec], norm: str = "none", label_prop: float = 0.0) -> list[tuple[int, bool]]:
+def exchange_layers(
+    specs: list[LayerSpec], norm: str = "none", label_prop: float = 0.0, dropout: float = 0.5
+) -> list[tuple[int, bool]]:
     """``(width, has_backward)`` per layer of partition parallelism, from the layers' own
     descriptions: every layer exchanges rows of its aggregated width; layer 0 exchanges gradients
     only when its aggregated input needs one (LayerNorm or label embedding before it, or the layer
-    transforming first). An attention layer's rows also carry its sources' terms (``edge_terms``)."""
-    return [(w + s.edge_terms if s.edge_values else w, b) for (w, b), s in zip(_layers(specs, norm, label_prop), specs)]
+    transforming first). An attention layer's rows also carry its sources' terms (``edge_terms``).
+    Width 0: no exchange in a steady training epoch (:func:`first_input_constant`)."""
+    return [
+        (w + s.edge_terms if s.edge_values and w else w, b)
+        for (w, b), s in zip(_layers(specs, norm, label_prop, dropout), specs)
+    ]
 
 
-def _layers(specs: list[LayerSpec], norm: str, label_prop: float) -> list[tuple[int, bool]]:
+def first_input_constant(specs: list[LayerSpec], norm: str = "none", label_prop: float = 0.0) -> bool:
+    """Whether layer 0 aggregates the raw features themselves, with no LayerNorm or label embedding
+    before it: its aggregation is then computed once and reused (``LayerHints.constant_input``) by
+    evaluation forwards, and by training ones too when dropout is 0. Attention is never constant."""
+    s = specs[0]
+    return norm == "none" and label_prop == 0 and s.aggregates_first and not s.edge_values
+
+
+def _layers(specs: list[LayerSpec], norm: str, label_prop: float, dropout: float = 0.5) -> list[tuple[int, bool]]:
     """``(aggregated width, has_backward)`` per layer (see :func:`exchange_layers`)."""
     if norm not in ("none", "layer"):
         raise ConfigError(f"--norm must be none or layer, got {norm!r}")
     first_grad = norm == "layer" or label_prop > 0
-    return [(s.aggregate_width, i > 0 or s.aggregates_input_grad(first_grad)) for i, s in enumerate(specs)]
+    out = [(s.aggregate_width, i > 0 or s.aggregates_input_grad(first_grad)) for i, s in enumerate(specs)]
+    if dropout == 0 and first_input_constant(specs, norm, label_prop):
+        out[0] = (0, False)
+    return out
 
 
 def _exchange_modes(specs: list[LayerSpec], modes: tuple[str, ...]) -> tuple[str, ...]:
@@ -79,16 +96,20 @@ def _direction(rows: np.ndarray, width: int, bits: int) -> dict[str, Any]:
     }
 
 
-def _bits_summary(rows: np.ndarray, plan: list[tuple[int, bool]], bits: int) -> dict[str, Any]:
-    """Per layer and direction, and per epoch, bytes of one mode at ``bits``."""
+def _bits_summary(rows: np.ndarray, plan: list[tuple[int, bool]], bits: int, eval_first: bool = True) -> dict[str, Any]:
+    """Per layer and direction, and per epoch, bytes of one mode at ``bits`` (a layer of width 0
+    exchanges nothing); ``eval_first``: whether evaluation forwards exchange layer 0's rows."""
     per_rank = np.zeros(rows.shape[0], dtype=np.int64)
     layers, eval_fwd = [], 0
     for i, (width, back) in enumerate(plan):
+        if not width:
+            layers.append({"layer": i, "width": 0, "forward": None, "backward": None})
+            continue
         pair = sum(pair_bytes(rows, width, bits))  # bytes p sends q forward; q sends p backward
         fwd = _direction(rows, width, bits)
         bwd = _direction(rows.T, width, bits) if back else None
         per_rank += pair.sum(axis=1) + (pair.sum(axis=0) if back else 0)
-        eval_fwd += fwd["bytes"]
+        eval_fwd += fwd["bytes"] if i > 0 or eval_first else 0
         layers.append({"layer": i, "width": width, "forward": fwd, "backward": bwd})
     exchanges = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
     epoch = {k: sum(d[k] for d in exchanges) for k in ("rows", "data_bytes", "param_bytes", "bytes")}
@@ -98,7 +119,9 @@ def _bits_summary(rows: np.ndarray, plan: list[tuple[int, bool]], bits: int) -> 
     return {"layers": layers, "epoch": epoch}
 
 
-def summarize(rows: dict[str, np.ndarray], plan: list[tuple[int, bool]], bits=(32, 2)) -> dict[str, dict[str, Any]]:
+def summarize(
+    rows: dict[str, np.ndarray], plan: list[tuple[int, bool]], bits=(32, 2), eval_first: bool = True
+) -> dict[str, dict[str, Any]]:
     """Per mode: rows per exchange (total, busiest sender, active pairs) and bytes per bit width."""
     for b in bits:
         if b not in COMM_BITS:
@@ -110,7 +133,7 @@ def summarize(rows: dict[str, np.ndarray], plan: list[tuple[int, bool]], bits=(3
             "rows_total": int(r.sum()),
             "rows_max_rank": int(sent.max()) if sent.size else 0,
             "active_pairs": int(np.count_nonzero(r)),
-            "bits": {b: _bits_summary(r, plan, b) for b in bits},
+            "bits": {b: _bits_summary(r, plan, b, eval_first) for b in bits},
         }
     return out
 
@@ -126,12 +149,14 @@ def simulate_volumes(
     norm: str = "none",
     label_prop: float = 0.0,
     model: str = "",
+    dropout: float = 0.5,
 ) -> dict[str, Any]:
     """Bytes per layer, direction, mode and bit width for ``parts`` ranks, without starting any,
     for the layers ``specs`` describe (``model`` names them in the report): totals, data vs
-    parameter bytes and the busiest sender. Keys starting with ``_`` hold the row matrices (for
-    :func:`pair_detail` and :func:`runtime_bytes`) and are not JSON."""
-    plan = exchange_layers(specs, norm, label_prop)
+    parameter bytes and the busiest sender, per steady training epoch (with ``dropout`` 0, layer
+    0's constant input is aggregated in the first epoch only). Keys starting with ``_`` hold the
+    row matrices (for :func:`pair_detail` and :func:`runtime_bytes`) and are not JSON."""
+    plan = exchange_layers(specs, norm, label_prop, dropout)
     t0 = time.perf_counter()
     part = partition(graph, parts, method, seed)
     t1 = time.perf_counter()
@@ -139,7 +164,7 @@ def simulate_volumes(
     plans = pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part, int(parts), tuple(dict.fromkeys(follow)))
     rows = {m: plans[f] for m, f in zip(modes, follow)}
     t2 = time.perf_counter()
-    summary = summarize(rows, plan, tuple(bits))
+    summary = summarize(rows, plan, tuple(bits), not first_input_constant(specs, norm, label_prop))
     t3 = time.perf_counter()
     owned = np.bincount(part, minlength=int(parts)).astype(np.int64)
     dst_part = np.repeat(part, np.diff(graph.indptr.numpy()))
@@ -167,7 +192,8 @@ def simulate_volumes(
         # at each exchange width (the largest over layers), and its aggregation work (edges into its
         # rows) over the mean
         "feature_bytes_max": {
-            mode: max(int((4 * width * (owned + r.sum(axis=0))).max()) for width, _ in plan) for mode, r in rows.items()
+            mode: max(int((4 * s.aggregate_width * (owned + r.sum(axis=0))).max()) for s in specs)
+            for mode, r in rows.items()
         },
         "flops_max_over_mean": float(edges.max() / edges.mean()) if edges.mean() > 0 else 1.0,
         "modes": summary,
@@ -183,6 +209,8 @@ def _layer_rows(vol: dict[str, Any], mode: str, layer: int, direction: str) -> n
     if direction not in DIRECTIONS:
         raise ConfigError(f"direction must be forward or backward, got {direction!r}")
     rows = vol["_rows"][mode]
+    if not vol["widths"][layer]:
+        return None
     if direction == "forward":
         return rows
     return rows.T if vol["backward"][layer] else None
@@ -256,6 +284,9 @@ def _tensor_bits(
     sent = np.zeros(counts.size, dtype=np.int64)
     layers = []
     for i, ((width, back), k) in enumerate(zip(plan, terms, strict=True)):
+        if not width:  # aggregated once (constant input): nothing per steady epoch
+            layers.append({"layer": i, "width": 0, "forward": None, "backward": None})
+            continue
         data, params = tensor_pair_bytes(counts, width, bits, stages)
         extra = term_pair_bytes(counts, k) if k else [0, 0]
         one = [data + e for e in extra[: 2 if back else 1]]
@@ -283,8 +314,9 @@ def tensor_volumes(
     label_prop: float = 0.0,
     bits=(32,),
     stages: int = 1,
+    dropout: float = 0.5,
 ) -> dict[str, Any]:
-    """Per training epoch of ``--strategy tensor`` on ``parts`` ranks (the runtime's row split and
+    """Per (steady) training epoch of ``--strategy tensor`` on ``parts`` ranks (the runtime's row split and
     its :func:`~tessera.parallel.tensor.exchange_blocks`, ``stages`` pipeline stages): fp32 bytes
     in all and of the busiest sender, the same per bit width of ``bits`` (``bits[b]``, with data and
     parameter bytes per layer and direction), the largest per-rank feature memory (its rows plus
@@ -296,16 +328,17 @@ def tensor_volumes(
         if b not in COMM_BITS:
             raise ConfigError(f"comm bits must be among {', '.join(map(str, COMM_BITS))}, got {b}")
     check_layers(specs, stages)
-    plan = _layers(specs, norm, label_prop)
+    plan = _layers(specs, norm, label_prop, dropout)
     terms = [2 * s.edge_terms if s.edge_values else 0 for s in specs]
     part = partition(graph, parts, method, seed)
     counts = np.bincount(part, minlength=int(parts)).astype(np.int64)
     flops = np.zeros(int(parts), dtype=np.float64)
     memory = 0
-    for width, back in plan:
-        slices = np.diff([width * i // int(parts) for i in range(int(parts) + 1)])
-        flops += (2 if back else 1) * 2.0 * graph.num_edges * slices
-        memory = max(memory, int((4 * (graph.num_nodes * slices + counts * width)).max()))
+    for (width, back), spec in zip(plan, specs):
+        w = spec.aggregate_width  # a layer aggregated once (width 0) holds its slices in the first epoch
+        slices = np.diff([w * i // int(parts) for i in range(int(parts) + 1)])
+        flops += (2 if back else 1) * 2.0 * graph.num_edges * slices * (width > 0)
+        memory = max(memory, int((4 * (graph.num_nodes * slices + counts * w)).max()))
     fp32 = _tensor_bits(counts, plan, terms, 32, stages)
     return {
         "parts": int(parts),

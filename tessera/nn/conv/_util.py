@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -18,18 +20,54 @@ def glorot_(t: torch.Tensor) -> torch.Tensor:
         return t.uniform_(-a, a)
 
 
+class InputAggregate:
+    """A layer's aggregation of its constant input (:attr:`LayerHints.constant_input`), computed
+    once and reused while the call's graph operand and input are the same objects and the input
+    is unmodified (its version counter). Holds weak references only to them, so a new graph or
+    feature tensor recomputes. With the result cached, the layer aggregates, and exchanges, nothing
+    for it: the strategies' logs count its bytes once, on the first call."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._out: torch.Tensor | None = None
+
+    def __getstate__(self) -> dict:
+        return {"_key": None, "_out": None}  # copies and pickles of a model start empty
+
+    def __call__(self, graph: object, x: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``compute()``, or its result from the last call with this ``graph`` and ``x``."""
+        if x.requires_grad:
+            return compute()
+        k = self._key
+        if k is not None and k[0]() is graph and k[1]() is x and k[2] == x._version and self._out is not None:
+            return self._out
+        out = compute()
+        self._key, self._out = (weakref.ref(graph), weakref.ref(x), x._version), out
+        return out
+
+
 def linear_then_aggregate(
-    a: Operand, x: torch.Tensor, lin: torch.nn.Linear, reduce: str = "sum", hints: LayerHints | None = None
+    a: Operand,
+    x: torch.Tensor,
+    lin: torch.nn.Linear,
+    reduce: str = "sum",
+    hints: LayerHints | None = None,
+    constant: tuple[InputAggregate, object] | None = None,
 ) -> torch.Tensor:
     """``A (x W^T)`` or ``(A x) W^T``, whichever aggregates the narrower matrix (same result;
     WiseGraph's indexing swap). ``lin`` must have no bias; callers add it after aggregation.
-    Of the S-SpMM ``hints``, the side that aggregates uses its own (see :class:`LayerHints`)."""
+    Of the S-SpMM ``hints``, the side that aggregates uses its own (see :class:`LayerHints`).
+    ``constant`` (the layer's memo and the graph operand it was called with): with
+    ``hints.constant_input``, ``A x`` is computed once."""
     hints = hints or LayerHints()
     if aggregates_output(lin):
         xw = lin(x)
         if hints.output_mask is not None:
             return sparse.masked_aggregate(a, xw, hints.output_mask, reduce)
         return sparse.aggregate(a, xw, reduce)
+    if hints.constant_input and constant is not None:
+        memo, graph = constant
+        return lin(memo(graph, x, lambda: sparse.aggregate(a, x, reduce)))
     return lin(sparse.aggregate(a, x, reduce, grad_mask=hints.input_grad_mask))
 
 

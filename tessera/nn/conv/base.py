@@ -18,11 +18,16 @@ class LayerHints:
     §3.2.1): ``output_mask`` when the layer's aggregation comes last (only kept outputs are
     computed; the caller applies that dropout mask after the layer), ``input_grad_mask`` when it
     comes first (only the kept entries of the input's gradient are computed). ``rows``: the global
-    vertex ids of the input's rows (None: their positions), which keys the layer's own random draws."""
+    vertex ids of the input's rows (None: their positions), which keys the layer's own random draws.
+    ``constant_input``: the input is the same tensor, unchanged and needing no gradient, at every
+    call (layer 0 on the raw features with no dropout, LayerNorm or label embedding before it), so
+    a layer that aggregates its input first may aggregate it once and reuse the result (MixGCN
+    Algorithm 2, line 1: the raw features are aggregated once)."""
 
     input_grad_mask: torch.Tensor | None = None
     output_mask: torch.Tensor | None = None
     rows: torch.Tensor | None = None
+    constant_input: bool = False
 
 
 class GraphConv(nn.Module):

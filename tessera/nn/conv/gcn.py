@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.nn.conv._util import aggregates_output, glorot_, linear_spec, linear_then_aggregate
+from tessera.nn.conv._util import InputAggregate, aggregates_output, glorot_, linear_spec, linear_then_aggregate
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
@@ -39,6 +39,7 @@ class GCNConv(GraphConv):
         self.backend = backend
         self.lin = Linear(in_channels, out_channels, bias=False)
         self.bias = nn.Parameter(torch.empty(out_channels)) if bias else None
+        self._input_aggregate = InputAggregate()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -51,7 +52,7 @@ class GCNConv(GraphConv):
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend)
         a = a.gcn_normalized(self.add_self_loops, self.improved) if self.normalize else a.weighted()
-        out = linear_then_aggregate(a, x, self.lin, "sum", hints)
+        out = linear_then_aggregate(a, x, self.lin, "sum", hints, (self._input_aggregate, graph))
         return out if self.bias is None else out + self.bias
 
     def describe(self) -> LayerSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tessera import sparse
+from tessera.nn.conv._util import InputAggregate
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
@@ -15,6 +16,7 @@ class GINConv(GraphConv):
     def __init__(self, nn: torch.nn.Module, eps: float = 0.0, train_eps: bool = False, backend: str = "auto") -> None:
         super().__init__()
         self.nn, self.initial_eps, self.backend = nn, eps, backend
+        self._input_aggregate = InputAggregate()
         if train_eps:
             self.eps = torch.nn.Parameter(torch.tensor([float(eps)]))
         else:
@@ -30,7 +32,11 @@ class GINConv(GraphConv):
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` (of the hints, ``input_grad_mask``)."""
         grad_mask = None if hints is None else hints.input_grad_mask
-        out = sparse.aggregate(as_operand(graph, self.backend).pattern(), x, "sum", grad_mask=grad_mask)
+        a = as_operand(graph, self.backend).pattern()
+        if hints is not None and hints.constant_input:
+            out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
+            return self.nn(out + (1 + self.eps) * x)  # not in place: the aggregate is kept
+        out = sparse.aggregate(a, x, "sum", grad_mask=grad_mask)
         if isinstance(self.eps, torch.nn.Parameter):
             out = out + (1 + self.eps) * x
         else:  # in place on the fresh aggregate (which nothing saved): no N x F temporaries

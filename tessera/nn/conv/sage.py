@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import sparse
-from tessera.nn.conv._util import aggregates_output, linear_spec, linear_then_aggregate
+from tessera.nn.conv._util import InputAggregate, aggregates_output, linear_spec, linear_then_aggregate
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
@@ -31,6 +31,7 @@ class SAGEConv(GraphConv):
         self.aggr, self.normalize, self.root_weight, self.backend = aggr, normalize, root_weight, backend
         self.lin_l = Linear(in_channels, out_channels, bias=bias)
         self.lin_r = Linear(in_channels, out_channels, bias=False) if root_weight else None
+        self._input_aggregate = InputAggregate()
 
     def reset_parameters(self) -> None:
         """torch's default Linear init (as PyG's ``Linear`` with kaiming-uniform)."""
@@ -41,7 +42,7 @@ class SAGEConv(GraphConv):
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend).pattern()
-        out = linear_then_aggregate(a, x, _WeightOnly(self.lin_l), self.aggr, hints)
+        out = linear_then_aggregate(a, x, _WeightOnly(self.lin_l), self.aggr, hints, (self._input_aggregate, graph))
         if self.lin_l.bias is not None:
             out = out + self.lin_l.bias
         if self.lin_r is not None:
