@@ -236,7 +236,8 @@ class TensorStrategy(Strategy):
     def check(self, specs: list[LayerSpec]) -> None:
         if any(s.edge_values for s in specs):
             raise ConfigError(
-                "the tensor strategy runs gcn, sage and gin, not gat: use --strategy partition or one process"
+                "the tensor strategy runs gcn, sage and gin, not gat or sage-lstm (their per-edge work needs whole "
+                "feature rows, not column slices): use --strategy partition or one process"
             )
         if self.options.pipeline_stages < 1:
             raise ConfigError(f"--pipeline-stages must be at least 1, got {self.options.pipeline_stages}")
