@@ -33,9 +33,10 @@ class LSTMWeights(nn.Module):
 
 
 class SAGELSTMConv(GraphConv):
-    """``x'_i = W_self x_i + W_neigh h_i + b`` with ``h_i`` the final hidden state of an
-    ``LSTM(in, in)`` run over ``i``'s in-neighbours' features (DGL ``SAGEConv`` with
-    ``aggregator_type="lstm"``: ``fc_self``, ``fc_neigh`` without bias, a separate ``bias``).
+    """``x'_i = W_self x_i + b + W_neigh h_i`` with ``h_i`` the final hidden state of an
+    ``LSTM(in, in)`` run over ``i``'s in-neighbours' features (DGL 2.1 ``SAGEConv`` with
+    ``aggregator_type="lstm"``: ``fc_self`` holds the bias, ``fc_neigh`` has none; the parameter
+    names and initialisation are DGL's, so state dicts load either way).
 
     Sequences: a vertex's in-neighbours in ascending source vertex id (the CSR order of a graph
     built from an edge list), parallel edges repeated; the LSTM runs exactly that many steps from a
@@ -59,20 +60,19 @@ class SAGELSTMConv(GraphConv):
         super().__init__()
         self.in_channels, self.out_channels, self.backend = in_channels, out_channels, backend
         self.lstm = LSTMWeights(in_channels, in_channels)
-        self.fc_self = Linear(in_channels, out_channels, bias=False)
+        self.fc_self = Linear(in_channels, out_channels, bias=bias)
         self.fc_neigh = Linear(in_channels, out_channels, bias=False)
-        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
         self._plan_cache: tuple | None = None  # (edge structure, rows, sequence plan) of the last call
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """As DGL: ``torch.nn.LSTM``'s init, Xavier-uniform linear maps with ReLU gain, zero bias."""
+        """As DGL: ``torch.nn.LSTM``'s init, Xavier-uniform weights with ReLU gain, ``fc_self``'s
+        bias as ``torch.nn.Linear`` draws it."""
         gain = nn.init.calculate_gain("relu")
         self.lstm.reset_parameters()
+        self.fc_self.reset_parameters()
         nn.init.xavier_uniform_(self.fc_self.weight, gain=gain)
         nn.init.xavier_uniform_(self.fc_neigh.weight, gain=gain)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``; of the
@@ -82,8 +82,7 @@ class SAGELSTMConv(GraphConv):
         plan = self._plan(a, hints.rows if hints is not None else None, x.shape[0])
         w = self.lstm
         h = sparse.lstm_aggregate(plan, x_src, w.weight_ih_l0, w.weight_hh_l0, w.bias_ih_l0, w.bias_hh_l0)
-        out = self.fc_self(x) + self.fc_neigh(h)
-        return out if self.bias is None else out + self.bias
+        return self.fc_self(x) + self.fc_neigh(h)
 
     def _plan(self, a, rows: torch.Tensor | None, n: int) -> sparse.SequencePlan:
         """The operand's neighbour sequences, ordered by global source id, made once per (edges, rows)."""
