@@ -18,6 +18,14 @@ Three ways compute the same value:
   inputs, the input projection ``W_ih x_j`` computed once per edge).
 - ``hoisted``: WiseGraph's unique-value extraction: ``x W_ih^T + b`` once per source vertex (one
   GEMM over ``N`` rows instead of ``E``), gathered per step; only ``h W_hh^T`` runs per step.
+  The cell is written out in torch ops (autograd through the steps; it saves O(E x 5H) floats,
+  as a fused LSTM does).
+
+``auto`` is ``hoisted``: on synthetic:small (10k vertices, 100k edges, in-degree max 405), one
+64 -> 64 aggregation, forward + backward, 2 threads, same run: ``packed`` 66.6 s (forward 2.9 s;
+its CPU backward is oneDNN's RNN backward), ``hoisted`` 10.8 s (forward 1.35 s), on a 2-core
+machine at load ~7; a later change (one gather and split instead of a gather per step) brought
+``hoisted`` to 2.0 s at 1 thread.
 """
 
 from __future__ import annotations
@@ -106,7 +114,7 @@ def lstm_aggregate(
         raise ValueError(
             f"LSTM weights {tuple(weight_ih.shape)}, {tuple(weight_hh.shape)} do not fit input width {x.shape[1]}"
         )
-    run = {"reference": _reference, "packed": _packed}.get(impl, _hoisted)
+    run = {"reference": _reference, "packed": _packed}.get(impl, _hoisted)  # auto: measured, see module docstring
     h = run(plan, x, weight_ih, weight_hh, bias_ih, bias_hh)
     return x.new_zeros(plan.num_rows, hidden).index_copy(0, plan.order, h) if plan.order.numel() else h
 
