@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model on a whole graph")
     _add_dataset(t)
-    t.add_argument("--model", help="gcn | sage | gin | gat (default gcn)")
+    t.add_argument("--model", help="gcn | sage | sage-lstm | gin | gat (default gcn)")
     t.add_argument("--hidden", type=int, help="hidden width (default 64)")
     t.add_argument("--layers", type=int, help="number of graph layers (default 2)")
     t.add_argument("--dropout", type=float, help="dropout probability (default 0.5)")

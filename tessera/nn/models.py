@@ -10,7 +10,7 @@ from torch import nn
 
 from tessera import sparse
 from tessera.errors import ConfigError
-from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv
+from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv, SAGELSTMConv
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec
@@ -121,6 +121,10 @@ def _sage(a: int, b: int, last: bool, o: dict) -> GraphConv:
     return SAGEConv(a, b, backend=o["backend"])
 
 
+def _sage_lstm(a: int, b: int, last: bool, o: dict) -> GraphConv:
+    return SAGELSTMConv(a, b, backend=o["backend"])
+
+
 def _gin(a: int, b: int, last: bool, o: dict) -> GraphConv:
     return GINConv(_gin_mlp(a, b, o["hidden"]), train_eps=o["train_eps"], backend=o["backend"])
 
@@ -144,6 +148,7 @@ LayerBuilder = Callable[[int, int, bool, dict], GraphConv]
 REGISTRY: dict[str, tuple[LayerBuilder, str]] = {
     "gcn": (_gcn, "relu"),
     "sage": (_sage, "relu"),
+    "sage-lstm": (_sage_lstm, "relu"),
     "gin": (_gin, "relu"),
     "gat": (_gat, "elu"),
 }
@@ -166,7 +171,7 @@ def build_model(
     label_classes: int = 0,
     s_spmm: bool = False,
 ) -> GNN:
-    """A ``num_layers``-deep GCN, SAGE, GIN or GAT mapping ``in_dim`` features to ``out_dim`` logits.
+    """A ``num_layers``-deep GCN, SAGE, SAGE-LSTM, GIN or GAT mapping ``in_dim`` features to ``out_dim`` logits.
 
     For GAT, ``hidden`` is the concatenated width (``heads`` heads of ``hidden // heads``) and the
     output layer has one head; ``attn_dropout`` defaults to ``dropout``. ``norm="layer"`` puts a

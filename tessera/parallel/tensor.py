@@ -122,6 +122,11 @@ def check_layers(specs: list[LayerSpec], stages: int) -> None:
     runtime and the simulator both ask)."""
     if stages < 1:
         raise ConfigError(f"--pipeline-stages must be at least 1, got {stages}")
+    if not all(s.column_separable for s in specs):
+        raise ConfigError(
+            "the tensor strategy runs gcn, sage, gin and gat, not sage-lstm (an LSTM over a vertex's "
+            "neighbours mixes whole feature rows, not column slices): use --strategy partition or one process"
+        )
     if stages > 1 and any(s.edge_values for s in specs):
         raise ConfigError(
             "the tensor strategy pipelines gcn, sage and gin aggregations, not gat's: leave --pipeline-stages at 1"

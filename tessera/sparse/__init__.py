@@ -1,11 +1,12 @@
 """The primitives layers are written in: aggregate (and its masked S-SpMM forms), edge scores,
-edge softmax and fused GAT attention, dropout and linear, all over an :class:`Operand`."""
+edge softmax and fused GAT attention, LSTM neighbourhood aggregation, dropout and linear, all over an :class:`Operand`."""
 
 from tessera.sparse.aggregate import aggregate, inv_in_degree
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import dropout
 from tessera.sparse.linear import linear
+from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
 from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
 from tessera.sparse.operand import GraphOperand, Operand, as_operand
 from tessera.sparse.spec import LayerSpec
@@ -14,6 +15,7 @@ __all__ = [
     "GraphOperand",
     "LayerSpec",
     "Operand",
+    "SequencePlan",
     "aggregate",
     "as_operand",
     "dropout",
@@ -24,6 +26,8 @@ __all__ = [
     "gat_attention",
     "inv_in_degree",
     "linear",
+    "lstm_aggregate",
     "masked_aggregate",
     "masked_spmm_t",
+    "sequence_plan",
 ]

@@ -13,7 +13,10 @@ class LayerSpec:
     width a distributed strategy exchanges per row); ``aggregates_first`` says the aggregation
     reads the layer's input directly (so the aggregated rows need a gradient only when the input
     does); ``edge_values`` marks layers that compute per-edge values (attention), from
-    ``edge_terms`` per-vertex scalars at each end of an edge (GAT: one per head)."""
+    ``edge_terms`` per-vertex scalars at each end of an edge (GAT: one per head), or whose per-edge
+    work needs each source's row (SAGE-LSTM); ``column_separable``: the aggregation treats feature
+    columns independently, so it can run on column slices (tensor parallelism); an LSTM over a
+    vertex's neighbour sequence mixes a row's columns."""
 
     in_width: int
     out_width: int
@@ -21,6 +24,7 @@ class LayerSpec:
     aggregates_first: bool
     edge_values: bool = False
     edge_terms: int = 0
+    column_separable: bool = True
 
     def aggregates_input_grad(self, input_needs_grad: bool) -> bool:
         """Whether the backward pass runs this layer's transposed aggregation."""
