@@ -3,6 +3,7 @@
 from tessera.nn.conv.gat import GATConv
 from tessera.nn.conv.gcn import GCNConv
 from tessera.nn.conv.gin import GINConv
+from tessera.nn.conv.rgcn import RGCNConv
 from tessera.nn.conv.sage import SAGEConv
 
-__all__ = ["GATConv", "GCNConv", "GINConv", "SAGEConv"]
+__all__ = ["GATConv", "GCNConv", "GINConv", "RGCNConv", "SAGEConv"]
