@@ -232,19 +232,22 @@ def generate(preset: str | SyntheticSpec, seed: int = 0) -> Graph:
     del dst
     stored.sort()
     stored %= n
+    return Graph.from_csr(indptr, stored, n, **_node_data(spec, y, rng_feat, rng_split, f"synthetic:{spec.name}"))
+
+
+def _node_data(
+    spec: SyntheticSpec, y: np.ndarray, rng_feat: np.random.Generator, rng_split: np.random.Generator, name: str
+) -> dict:
     train, val, test = _split(spec, y, rng_split)
-    return Graph.from_csr(
-        indptr,
-        stored,
-        n,
-        x=torch.from_numpy(_features(spec, y, rng_feat)),
-        y=torch.from_numpy(y),
-        train_mask=train,
-        val_mask=val,
-        test_mask=test,
-        num_classes=spec.num_classes,
-        name=f"synthetic:{spec.name}",
-    )
+    return {
+        "x": torch.from_numpy(_features(spec, y, rng_feat)),
+        "y": torch.from_numpy(y),
+        "train_mask": train,
+        "val_mask": val,
+        "test_mask": test,
+        "num_classes": spec.num_classes,
+        "name": name,
+    }
 
 
 # ---------------------------------------------------------------------------------------- typed graphs
@@ -359,17 +362,10 @@ def generate_typed(preset: str, seed: int = 0) -> Graph:
     y = np.empty(n, dtype=np.int64)
     y[perm] = np.repeat(np.arange(spec.num_classes, dtype=np.int64), sizes)
     a, b = perm[keys // n], perm[keys % n]
-    train, val, test = _split(spec, y, rng_split)
     return Graph.from_edge_index(
         torch.from_numpy(np.stack([np.concatenate([a, b]), np.concatenate([b, a])])),
         n,
         edge_type=torch.from_numpy(np.concatenate([rel, rel])),
         num_relations=r,
-        x=torch.from_numpy(_features(spec, y, rng_feat)),
-        y=torch.from_numpy(y),
-        train_mask=train,
-        val_mask=val,
-        test_mask=test,
-        num_classes=spec.num_classes,
-        name=f"synthetic:{preset}",
+        **_node_data(spec, y, rng_feat, rng_split, f"synthetic:{preset}"),
     )
