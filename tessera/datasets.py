@@ -9,7 +9,17 @@ from pathlib import Path
 from types import ModuleType
 
 from tessera.errors import DatasetError
-from tessera.graph.formats import is_ogb_dir, load_edgelist, load_npz, load_ogb, load_planetoid
+from tessera.graph.formats import (
+    is_ntriples,
+    is_ogb_dir,
+    is_typed_edgelist,
+    load_edgelist,
+    load_npz,
+    load_ntriples,
+    load_ogb,
+    load_planetoid,
+    load_typed_edgelist,
+)
 from tessera.graph.graph import Graph
 
 # Lower-case spec name -> directory spelling used by PyG / OGB downloads.
@@ -50,10 +60,11 @@ def _load_synthetic(preset: str, seed: int, name: str | None) -> Graph:
     mod = _synthetic()
     if mod is None:
         raise DatasetError("synthetic graphs are unavailable: tessera.graph.synthetic is not installed")
-    presets = getattr(mod, "PRESETS", {})
-    if preset not in presets and preset.lower() in presets:
+    presets = [*getattr(mod, "PRESETS", {}), *getattr(mod, "TYPED_PRESETS", ())]
+    known = getattr(mod, "is_preset", lambda name: name in presets)
+    if not known(preset) and known(preset.lower()):
         preset = preset.lower()
-    if preset not in presets:
+    if not known(preset):
         raise DatasetError(f"unknown synthetic preset {preset!r}; choose one of: {', '.join(sorted(presets))}")
     g = mod.generate(preset, seed=seed)
     return g.replace(name=name) if name and name != g.name else g
@@ -106,8 +117,9 @@ def _no_split(split: str | None, what: str) -> None:
 
 
 def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0, split: str | None = None) -> Graph:
-    """Load a dataset file or directory, detecting its format from the layout and suffix;
-    ``split`` picks one of an OGB directory's ``split/<name>`` folders."""
+    """Load a dataset file or directory, detecting its format from the layout and suffix (``.npz``;
+    ``.nt`` N-Triples with a ``<stem>.labels`` file; ``.rel`` typed ``src rel dst`` edge lists;
+    other files plain edge lists); ``split`` picks one of an OGB directory's ``split/<name>`` folders."""
     p = Path(path).expanduser()
     if p.is_dir():
         for folder in (p, p / "raw"):
@@ -126,6 +138,10 @@ def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0
     _no_split(split, f"the file {p}")
     if p.suffix.lower() == ".npz":
         return load_npz(p, seed=seed, name=name)
+    if is_ntriples(p):
+        return load_ntriples(p, seed=seed, name=name)
+    if is_typed_edgelist(p):
+        return load_typed_edgelist(p, seed=seed, name=name)
     m = _PLANETOID_FILE.match(p.name)
     if m and (p.parent / f"ind.{m.group(1)}.x").is_file():
         return load_planetoid(p.parent, name or m.group(1))
@@ -181,6 +197,6 @@ def _not_found_message(spec: str, key: str, roots: list[Path]) -> str:
         mod = _synthetic()
     except Exception:  # a broken synthetic module must not hide the real problem
         mod = None
-    presets = sorted(getattr(mod, "PRESETS", {})) if mod is not None else []
+    presets = sorted([*getattr(mod, "PRESETS", {}), *getattr(mod, "TYPED_PRESETS", ())]) if mod is not None else []
     fixes.append("use synthetic:<preset>" + (f" (presets: {', '.join(presets)})" if presets else ""))
     return f"{msg}. To fix: " + "; or ".join(fixes)

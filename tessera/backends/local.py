@@ -9,11 +9,14 @@ import torch
 
 from tessera.backends import select
 from tessera.backends.base import Backend, available_backends, check_backend, get_backend
+from tessera.backends.relational import choose_variant
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.csr import CSRStructure
+from tessera.graph.relations import edge_types
 from tessera.memo import PlanCache
 from tessera.sparse.operand import Operand
+from tessera.sparse.relation_plan import Relations
 from tessera.sparse.sparsity import sparse_rows
 
 _derived = PlanCache()  # per graph: the normalised / self-looped graphs its variants multiply with
@@ -64,6 +67,13 @@ class LocalOperand(Operand):
     def edge_structure(self) -> CSRStructure:
         return self.matrix
 
+    def relations(self) -> Relations:
+        backend = self.backend
+        edge_types(self.matrix)  # a GraphError on an untyped graph, before any structure is built
+        return Relations(
+            self.matrix, lambda m, values: LocalOperand(m, backend, values), ("local", backend), choose_variant
+        )
+
     def masked_spmm(self, x, mask, weight=None, row_scale=None, transposed=False):
         backend = self._masked_backend()
         w = self.values if weight is None else weight
@@ -103,7 +113,9 @@ class LocalOperand(Operand):
 
     def with_self_loops(self) -> LocalOperand:
         g = self._derived_graph(
-            ("self_loops",), "self loops", lambda m: m.replace(edge_weight=None, edge_type=None).add_self_loops()
+            ("self_loops",),
+            "self loops",
+            lambda m: m.replace(edge_weight=None, edge_type=None, num_relations=None).add_self_loops(),
         )
         return LocalOperand(g, self.backend)
 

@@ -85,20 +85,34 @@ def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, d
     width = int(torch.Size(x.shape[1:]).numel())
     heads = int(x.shape[1]) if x.dim() == 3 else 1
     key = decision_key(matrix, width, weight is not None, heads, direction)
-    memo = _memo.entries(matrix)
-    if key in memo:
-        return memo[key]
     names = candidates(x)
-    entry = _read_disk().get(key) if matrix.fingerprint() is not None else None
-    if entry is not None and entry.get("choice") in names:
-        memo[key] = entry["choice"]
-        return memo[key]
+    known = lookup(matrix, key, names)
+    if known is not None:
+        return known
     transposed = direction == "backward"
     trial = trial_candidates(matrix, width, weight is not None, transposed, names)
     if len(trial) > 1:
         return record(matrix, key, measure(matrix, x, weight, trial, transposed))
-    memo[key] = trial[0]
-    return trial[0]
+    return remember(matrix, key, trial[0])
+
+
+def remember(matrix: CSRStructure, key: str, choice: str) -> str:
+    """Keep ``choice`` for ``key`` in this process's memory only (a modelled, unmeasured decision)."""
+    _memo.entries(matrix)[key] = choice
+    return choice
+
+
+def lookup(matrix: CSRStructure, key: str, names: list[str]) -> str | None:
+    """The decision already made for ``key`` among ``names``, from memory or (for a matrix with a
+    fingerprint) the disk cache; None when there is none yet."""
+    memo = _memo.entries(matrix)
+    if key in memo:
+        return memo[key]
+    entry = _read_disk().get(key) if matrix.fingerprint() is not None else None
+    if entry is not None and entry.get("choice") in names:
+        memo[key] = entry["choice"]
+        return memo[key]
+    return None
 
 
 def trial_candidates(matrix: CSRStructure, width: int, weighted: bool, transposed: bool, names: list[str]) -> list[str]:

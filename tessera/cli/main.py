@@ -32,11 +32,13 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model on a whole graph")
     _add_dataset(t)
-    t.add_argument("--model", help="gcn | sage | sage-lstm | gin | gat (default gcn)")
+    t.add_argument("--model", help="gcn | sage | sage-lstm | gin | gat | rgcn (default gcn; rgcn needs a typed graph)")
     t.add_argument("--hidden", type=int, help="hidden width (default 64)")
     t.add_argument("--layers", type=int, help="number of graph layers (default 2)")
     t.add_argument("--dropout", type=float, help="dropout probability (default 0.5)")
     t.add_argument("--heads", type=int, help="GAT attention heads (default 8)")
+    t.add_argument("--num-bases", type=int, help="RGCN basis decomposition: bases shared by the relations")
+    t.add_argument("--num-blocks", type=int, help="RGCN block-diagonal decomposition: blocks per relation weight")
     t.add_argument("--lr", type=float, help="Adam learning rate (default 0.01)")
     t.add_argument("--weight-decay", type=float, help="Adam weight decay (default 5e-4)")
     t.add_argument("--epochs", type=int, help="maximum epochs (default 200)")
@@ -171,6 +173,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     )
     print(f"features     {g.num_features}")
     print(f"classes      {g.num_classes if g.num_classes is not None else '-'}")
+    if g.num_relations is None:
+        print("relations    - (untyped)")
+    else:
+        counts = g.relation_counts().tolist()
+        print(
+            f"relations    {g.num_relations}; edges per relation: "
+            + " ".join(f"{r}:{c:,}" for r, c in enumerate(counts))
+        )
     for split in ("train", "val", "test"):
         m = getattr(g, f"{split}_mask")
         print(f"{split + ' split':<12} {'-' if m is None else f'{int(m.sum()):,}'}")

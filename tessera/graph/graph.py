@@ -34,6 +34,10 @@ class Graph(CSRStructure):
     so aggregation over a row is a reduction into one output vertex. In PyG terms an edge
     ``(edge_index[0, e], edge_index[1, e]) = (j, i)`` is stored in row ``i``.
     Every construction validates its inputs and raises :class:`GraphError` naming the problem.
+
+    A typed (relational) graph has ``edge_type``: one relation id per edge, each in
+    ``[0, num_relations)``; ``num_relations`` defaults to the largest id + 1 and may be declared
+    larger (relations without edges). An untyped graph has neither.
     """
 
     indptr: torch.Tensor
@@ -48,6 +52,7 @@ class Graph(CSRStructure):
     test_mask: torch.Tensor | None = None
     num_classes: int | None = None
     name: str = "graph"
+    num_relations: int | None = None
     _structure: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,15 +92,36 @@ class Graph(CSRStructure):
             if not bool(torch.isfinite(w).all()):
                 raise GraphError("edge_weight contains NaN or inf")
             self.edge_weight = w
-        if self.edge_type is not None:
-            t = _as_tensor(self.edge_type)
-            if t.dtype.is_floating_point or t.shape != (e,):
-                raise GraphError(f"edge_type must be an integer array of shape ({e},)")
-            t = t.to(torch.int64)
-            if e and int(t.min()) < 0:
-                raise GraphError("edge_type contains negative values")
-            self.edge_type = t
+        self._validate_edge_type()
         self._validate_node_data()
+
+    def _validate_edge_type(self) -> None:
+        e = self.num_edges
+        if self.edge_type is None:
+            if self.num_relations is not None:
+                raise GraphError(
+                    f"num_relations={self.num_relations} given without edge_type; pass one relation id per edge"
+                )
+            return
+        t = _as_tensor(self.edge_type)
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex or t.shape != (e,):
+            raise GraphError(
+                f"edge_type must be an integer array of shape ({e},), got {t.dtype} of shape {tuple(t.shape)}"
+            )
+        t = t.to(torch.int64)
+        r = self.num_relations
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0):
+            raise GraphError(f"num_relations must be a non-negative integer, got {r!r}")
+        r = (int(t.max()) + 1 if e else 0) if r is None else int(r)
+        bad = (t < 0) | (t >= r)
+        if e and bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            dst = int(torch.searchsorted(self.indptr.to(torch.int64), torch.tensor(i), right=True)) - 1
+            raise GraphError(
+                f"edge type {int(t[i])} of edge {int(self.indices[i])} -> {dst} is outside [0, {r}); relation ids "
+                f"must be 0..num_relations-1 (declare num_relations larger, or renumber the relations)"
+            )
+        self.edge_type, self.num_relations = t, r
 
     def _validate_node_data(self) -> None:
         n = self.num_nodes
@@ -233,6 +259,8 @@ class Graph(CSRStructure):
         def make() -> str:
             h = hashlib.blake2b(digest_size=16)
             h.update(f"n={self.num_nodes};e={self.num_edges};f={self.num_features};c={self.num_classes}".encode())
+            if self.num_relations is not None:
+                h.update(f";r={self.num_relations}".encode())
             for t in (self.indptr, self.indices, self.edge_weight, self.edge_type):
                 h.update(
                     b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy().tobytes()
@@ -244,6 +272,8 @@ class Graph(CSRStructure):
     # ------------------------------------------------------------------ transformations
     def _rebuild(self, src: torch.Tensor, dst: torch.Tensor, weight, etype) -> Graph:
         node = {k: getattr(self, k) for k in ("x", "y", *_MASKS, "num_classes", "name")}
+        if etype is not None:
+            node["num_relations"] = self.num_relations
         return Graph.from_edge_index(
             torch.stack([src, dst]), self.num_nodes, edge_weight=weight, edge_type=etype, **node
         )
@@ -258,9 +288,10 @@ class Graph(CSRStructure):
             None if self.edge_type is None else self.edge_type[keep],
         )
 
-    def add_self_loops(self, fill_value: float = 1.0) -> Graph:
+    def add_self_loops(self, fill_value: float = 1.0, loop_type: int = 0) -> Graph:
         """Give every vertex exactly one self loop (PyG's ``add_remaining_self_loops``): existing
-        loops keep their weight, duplicate loops collapse into one, missing ones get ``fill_value``."""
+        loops keep their weight (and relation), duplicate loops collapse into one, missing ones get
+        ``fill_value`` (and, on a typed graph, relation ``loop_type``)."""
         src, dst = self.src_index(), self.dst_index()
         is_loop = src == dst
         n = self.num_nodes
@@ -274,7 +305,9 @@ class Graph(CSRStructure):
             weight = torch.cat([base, loop_w])
         etype = None
         if self.edge_type is not None:
-            etype = torch.cat([self.edge_type[keep], torch.zeros(n, dtype=torch.int64)])
+            loop_t = torch.full((n,), int(loop_type), dtype=torch.int64)
+            loop_t[src[is_loop]] = self.edge_type[is_loop]
+            etype = torch.cat([self.edge_type[keep], loop_t])
         return self._rebuild(torch.cat([src[keep], ar]), torch.cat([dst[keep], ar]), weight, etype)
 
     def coalesce(self, reduce: str = "sum") -> Graph:
@@ -284,7 +317,7 @@ class Graph(CSRStructure):
         n = max(self.num_nodes, 1)
         key = dst * n + src
         if self.edge_type is not None:
-            key = key * (int(self.edge_type.max()) + 1 if self.num_edges else 1) + self.edge_type
+            key = key * max(int(self.num_relations), 1) + self.edge_type
         uniq, inverse = torch.unique(key, return_inverse=True)
         first = torch.full((uniq.numel(),), self.num_edges, dtype=torch.int64)
         first.scatter_reduce_(0, inverse, torch.arange(self.num_edges), reduce="amin")
@@ -300,7 +333,8 @@ class Graph(CSRStructure):
         return self._rebuild(src[first], dst[first], weight, etype)
 
     def to_undirected(self) -> Graph:
-        """Add the reverse of every edge, then remove duplicates (weights of duplicates: first)."""
+        """Add the reverse of every edge (same weight and relation), then remove duplicates
+        (weights of duplicates: first)."""
         src, dst = self.src_index(), self.dst_index()
         w = None if self.edge_weight is None else torch.cat([self.edge_weight, self.edge_weight])
         t = None if self.edge_type is None else torch.cat([self.edge_type, self.edge_type])
@@ -323,6 +357,12 @@ class Graph(CSRStructure):
         dis = deg.pow(-0.5)
         dis.masked_fill_(torch.isinf(dis), 0.0)
         return g.replace(edge_weight=dis[g.src_index()] * w * dis[g.dst_index()])
+
+    def relation_counts(self) -> torch.Tensor:
+        """Edges per relation (int64, length ``num_relations``); GraphError on an untyped graph."""
+        if self.edge_type is None:
+            raise GraphError(f"graph {self.name!r} has no edge types (relations)")
+        return self._derived("relcount", lambda: torch.bincount(self.edge_type, minlength=self.num_relations))
 
     def degree_stats(self) -> dict[str, float]:
         """In-degree mean, max and percentiles (50/90/99)."""

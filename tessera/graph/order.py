@@ -231,6 +231,7 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True) -> Graph:
         "x": graph.x[pt] if features and graph.x is not None else None,
         "y": None if graph.y is None else graph.y[pt],
         "num_classes": graph.num_classes,
+        "num_relations": graph.num_relations,
         "name": graph.name,
     }
     for m in _MASKS:

@@ -1,7 +1,9 @@
-"""Seeded synthetic graphs shaped like the usual benchmarks (degree-corrected stochastic block model)."""
+"""Seeded synthetic graphs shaped like the usual benchmarks (degree-corrected stochastic block model),
+plain or typed (``<preset>-rel[R]``: R relations whose homophily differs, see :func:`generate_typed`)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -205,7 +207,10 @@ def _split(spec: SyntheticSpec, y: np.ndarray, rng: np.random.Generator) -> tupl
 
 
 def generate(preset: str | SyntheticSpec, seed: int = 0) -> Graph:
-    """Generate the named preset (or a custom spec) as a symmetric graph; same seed, same graph."""
+    """Generate the named preset (or a custom spec) as a symmetric graph; same seed, same graph.
+    Names ``<preset>-rel[R]`` give typed graphs (:func:`generate_typed`)."""
+    if isinstance(preset, str) and preset not in PRESETS and _TYPED.match(preset):
+        return generate_typed(preset, seed)
     spec = _resolve(preset)
     rng_struct, rng_feat, rng_split = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
     n = spec.num_nodes
@@ -227,16 +232,140 @@ def generate(preset: str | SyntheticSpec, seed: int = 0) -> Graph:
     del dst
     stored.sort()
     stored %= n
+    return Graph.from_csr(indptr, stored, n, **_node_data(spec, y, rng_feat, rng_split, f"synthetic:{spec.name}"))
+
+
+def _node_data(
+    spec: SyntheticSpec, y: np.ndarray, rng_feat: np.random.Generator, rng_split: np.random.Generator, name: str
+) -> dict:
     train, val, test = _split(spec, y, rng_split)
-    return Graph.from_csr(
-        indptr,
-        stored,
+    return {
+        "x": torch.from_numpy(_features(spec, y, rng_feat)),
+        "y": torch.from_numpy(y),
+        "train_mask": train,
+        "val_mask": val,
+        "test_mask": test,
+        "num_classes": spec.num_classes,
+        "name": name,
+    }
+
+
+# ---------------------------------------------------------------------------------------- typed graphs
+_TYPED = re.compile(r"^(?P<base>[a-z]+)-rel(?P<r>\d+)?$")
+DEFAULT_RELATIONS = 8
+RELATION_RANGE = (1, 64)
+#: typed presets listed beside the plain ones; any ``<preset>-rel<R>`` with R in RELATION_RANGE works
+TYPED_PRESETS = ("small-rel", "arxiv-rel", "arxiv-rel8", "arxiv-rel32")
+
+
+@dataclass(frozen=True)
+class RelationKinds:
+    """How each relation of a typed synthetic graph connects classes: ``kind[r]`` is ``same``
+    (class c to class c), ``mapped`` (class c to ``partner[r, c]``, a pairing of the classes, so
+    the relation is symmetric) or ``noise`` (any vertex); ``purity[r]`` is the share of the
+    relation's edges that follow its rule (the rest go to a random vertex); ``share[r]`` its share
+    of the edges."""
+
+    kind: tuple[str, ...]
+    partner: np.ndarray
+    purity: np.ndarray
+    share: np.ndarray
+
+
+def is_preset(name: str) -> bool:
+    """Whether ``name`` is a plain preset or a typed ``<preset>-rel[R]`` one."""
+    m = _TYPED.match(name)
+    return name in PRESETS or (m is not None and m["base"] in PRESETS)
+
+
+def _typed_preset(name: str) -> tuple[SyntheticSpec, int]:
+    m = _TYPED.match(name)
+    if m is None or m["base"] not in PRESETS:
+        raise DatasetError(f"unknown synthetic preset {name!r}; choose one of: {', '.join([*PRESETS, *TYPED_PRESETS])}")
+    r = int(m["r"]) if m["r"] else DEFAULT_RELATIONS
+    lo, hi = RELATION_RANGE
+    if not lo <= r <= hi:
+        raise DatasetError(
+            f"synthetic preset {name!r} asks for {r} relations; use {lo} to {hi} (e.g. {m['base']}-rel32)"
+        )
+    return PRESETS[m["base"]], r
+
+
+def relation_kinds(num_relations: int, num_classes: int, rng: np.random.Generator) -> RelationKinds:
+    """Draw the rule of every relation: an eighth ``same``, a quarter ``noise`` (at least one of
+    each when there are three or more relations), the rest ``mapped``, in a seeded order."""
+    r = num_relations
+    n_same = max(1, r // 8)
+    n_noise = max(1, r // 4) if r >= 3 else 0
+    kinds = ["same"] * n_same + ["noise"] * n_noise + ["mapped"] * (r - n_same - n_noise)
+    kind = tuple(kinds[i] for i in rng.permutation(r))
+    partner = np.tile(np.arange(num_classes, dtype=np.int64), (r, 1))
+    for i in range(r):
+        if kind[i] == "mapped":  # pair the classes up at random (an involution: symmetric edges)
+            order = rng.permutation(num_classes)
+            a, b = order[0 : num_classes - 1 : 2], order[1::2]
+            partner[i, a], partner[i, b] = b, a
+    purity = np.where(np.array(kind) == "noise", 0.0, rng.uniform(0.6, 0.95, r))
+    share = rng.lognormal(0.0, 0.5, r)
+    return RelationKinds(kind, partner, purity, share / share.sum())
+
+
+def _typed_edges(
+    spec: SyntheticSpec, sizes: np.ndarray, rules: RelationKinds, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct undirected ``(key, relation)`` pairs over community-sorted ids (key ``min * n + max``)."""
+    n, r = spec.num_nodes, rules.share.size
+    theta = _propensities(spec, rng)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    comm = np.repeat(np.arange(sizes.size), sizes)
+    ids = np.arange(n, dtype=np.int64)
+    m = spec.num_undirected_edges
+    k = int(m * 1.08) + 16
+    rel = rng.choice(r, k, p=rules.share)
+    src = np.repeat(ids, rng.multinomial(k, theta / theta.sum()))
+    rng.shuffle(src)
+    follows = rng.random(k) < rules.purity[rel]
+    target = rules.partner[rel, comm[src]]
+    dst = np.repeat(ids, rng.multinomial(k, theta / theta.sum()))  # the random targets
+    rng.shuffle(dst)
+    ruled = np.flatnonzero(follows)
+    by_class = ruled[np.argsort(target[ruled], kind="stable")]
+    counts = np.bincount(target[ruled], minlength=sizes.size)
+    pos = 0
+    for c, kc in enumerate(counts.tolist()):
+        s, e = starts[c], ends[c]
+        picks = np.repeat(ids[s:e], rng.multinomial(kc, theta[s:e] / theta[s:e].sum()))
+        rng.shuffle(picks)
+        dst[by_class[pos : pos + kc]] = picks
+        pos += kc
+    keep = src != dst
+    lo, hi, rel = np.minimum(src, dst)[keep], np.maximum(src, dst)[keep], rel[keep]
+    key = _sorted_unique((lo * n + hi) * r + rel)
+    if key.size > m:
+        key = np.sort(rng.choice(key, m, replace=False))
+    return key // r, key % r
+
+
+def generate_typed(preset: str, seed: int = 0) -> Graph:
+    """The typed preset ``<base>-rel[R]``: the plain preset's vertices, classes, features and split,
+    with edges drawn per relation by :func:`relation_kinds`' rules (symmetric, each undirected edge
+    stored both ways with one relation). Same seed, same graph."""
+    spec, r = _typed_preset(preset)
+    spec = _resolve(spec)
+    rng_struct, rng_feat, rng_split, rng_rel = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4))
+    n = spec.num_nodes
+    sizes = _community_sizes(spec, rng_struct)
+    rules = relation_kinds(r, spec.num_classes, rng_rel)
+    keys, rel = _typed_edges(spec, sizes, rules, rng_struct)
+    perm = rng_struct.permutation(n)
+    y = np.empty(n, dtype=np.int64)
+    y[perm] = np.repeat(np.arange(spec.num_classes, dtype=np.int64), sizes)
+    a, b = perm[keys // n], perm[keys % n]
+    return Graph.from_edge_index(
+        torch.from_numpy(np.stack([np.concatenate([a, b]), np.concatenate([b, a])])),
         n,
-        x=torch.from_numpy(_features(spec, y, rng_feat)),
-        y=torch.from_numpy(y),
-        train_mask=train,
-        val_mask=val,
-        test_mask=test,
-        num_classes=spec.num_classes,
-        name=f"synthetic:{spec.name}",
+        edge_type=torch.from_numpy(np.concatenate([rel, rel])),
+        num_relations=r,
+        **_node_data(spec, y, rng_feat, rng_split, f"synthetic:{preset}"),
     )

@@ -10,7 +10,7 @@ from torch import nn
 
 from tessera import sparse
 from tessera.errors import ConfigError
-from tessera.nn.conv import GATConv, GCNConv, GINConv, SAGEConv, SAGELSTMConv
+from tessera.nn.conv import GATConv, GCNConv, GINConv, RGCNConv, SAGEConv, SAGELSTMConv
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec
@@ -143,6 +143,17 @@ def _gat(a: int, b: int, last: bool, o: dict) -> GraphConv:
     )
 
 
+def _rgcn(a: int, b: int, last: bool, o: dict) -> GraphConv:
+    if o["num_relations"] < 1:
+        raise ConfigError(
+            "--model rgcn needs a typed graph (edge types): a 'src rel dst' edge list (.rel), N-Triples (.nt), "
+            "PyG data with edge_type, or synthetic:<preset>-rel"
+        )
+    return RGCNConv(
+        a, b, o["num_relations"], num_bases=o["num_bases"], num_blocks=o["num_blocks"], backend=o["backend"]
+    )
+
+
 # name -> (builder of layer i from (in width, out width, is last, options), activation between layers)
 LayerBuilder = Callable[[int, int, bool, dict], GraphConv]
 REGISTRY: dict[str, tuple[LayerBuilder, str]] = {
@@ -151,6 +162,7 @@ REGISTRY: dict[str, tuple[LayerBuilder, str]] = {
     "sage-lstm": (_sage_lstm, "relu"),
     "gin": (_gin, "relu"),
     "gat": (_gat, "elu"),
+    "rgcn": (_rgcn, "relu"),
 }
 MODELS = tuple(REGISTRY)
 
@@ -170,13 +182,17 @@ def build_model(
     norm: str = "none",
     label_classes: int = 0,
     s_spmm: bool = False,
+    num_relations: int = 0,
+    num_bases: int | None = None,
+    num_blocks: int | None = None,
 ) -> GNN:
-    """A ``num_layers``-deep GCN, SAGE, SAGE-LSTM, GIN or GAT mapping ``in_dim`` features to ``out_dim`` logits.
+    """A ``num_layers``-deep GCN, SAGE, SAGE-LSTM, GIN, GAT or RGCN mapping ``in_dim`` features to ``out_dim`` logits.
 
     For GAT, ``hidden`` is the concatenated width (``heads`` heads of ``hidden // heads``) and the
     output layer has one head; ``attn_dropout`` defaults to ``dropout``. ``norm="layer"`` puts a
     LayerNorm before each layer; ``label_classes > 0`` adds a label embedding for label propagation;
-    ``s_spmm=True`` uses masked aggregation (S-SpMM) where dropout and ReLU masks allow it."""
+    ``s_spmm=True`` uses masked aggregation (S-SpMM) where dropout and ReLU masks allow it.
+    RGCN needs the graph's ``num_relations`` and takes ``num_bases`` or ``num_blocks``."""
     name = name.lower()
     if name not in REGISTRY:
         raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
@@ -192,6 +208,9 @@ def build_model(
         "heads": heads,
         "train_eps": train_eps,
         "attn_dropout": dropout if attn_dropout is None else attn_dropout,
+        "num_relations": num_relations,
+        "num_bases": num_bases,
+        "num_blocks": num_blocks,
     }
     convs = [build(a, b, i == num_layers - 1, options) for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))]
     if norm not in ("none", "layer"):

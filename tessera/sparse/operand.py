@@ -17,6 +17,7 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
+from tessera.sparse.relation_plan import Relations
 
 
 class Operand(ABC):
@@ -77,6 +78,14 @@ class Operand(ABC):
         raise ConfigError(
             f"{type(self).__name__} cannot take per-edge values (attention): run GAT with --strategy partition "
             "or in one process"
+        )
+
+    def relations(self) -> Relations:
+        """The per-relation structures relational layers (RGCN) aggregate with; only operands over
+        a whole typed graph have them."""
+        raise ConfigError(
+            f"{type(self).__name__} has no per-relation structure: RGCN runs in one process (without --nprocs) "
+            "on a typed graph"
         )
 
     def gather_sources(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -54,6 +54,8 @@ class TrainConfig:
     label_prop: float = 0.0
     reorder: str = "auto"
     s_spmm: bool = False
+    num_bases: int | None = None
+    num_blocks: int | None = None
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for mistyped or out-of-range values; returns self."""
@@ -123,6 +125,8 @@ INT_RANGES: dict[str, tuple[int, int, str]] = {
     "checkpoint_every": (1, 10**9, ""),
     "nprocs": (1, 1024, ""),
     "pipeline_stages": (1, 1024, ""),
+    "num_bases": (1, 4096, ""),
+    "num_blocks": (1, 4096, ""),
 }
 
 

@@ -39,6 +39,8 @@ _RESUME_KEYS = (
     "layers",
     "dropout",
     "heads",
+    "num_bases",
+    "num_blocks",
     "lr",
     "weight_decay",
     "seed",

@@ -59,6 +59,22 @@ def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
     return int(source["x"].shape[1]), int(source.get("meta", {}).get("num_classes"))
 
 
+def _relations(cfg: TrainConfig, source: Graph | dict[str, Any], distributed: bool) -> int:
+    """The relation count an RGCN model is built for (0 for other models)."""
+    if cfg.model.lower() != "rgcn":
+        if cfg.num_bases is not None or cfg.num_blocks is not None:
+            raise ConfigError(f"--num-bases and --num-blocks are RGCN options; --model is {cfg.model}")
+        return 0
+    if distributed:
+        raise ConfigError("--model rgcn runs in one process for now; drop --nprocs / --parts-dir")
+    if source.num_relations is None:
+        raise ConfigError(
+            f"--model rgcn needs a typed graph, but {source.name} has no edge types; use a 'src rel dst' edge "
+            "list (.rel), N-Triples (.nt), PyG data with edge_type, or synthetic:<preset>-rel"
+        )
+    return int(source.num_relations)
+
+
 def check_out_dir(path: str | os.PathLike) -> None:
     """Refuse a run directory that cannot be created or written, before anything is loaded or
     written: an existing file, a path under a file, an unwritable or pseudo file system. A missing
@@ -102,6 +118,7 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
     from ``tessera partition --out``) and prepare features, order and operands for ``cfg``."""
     distributed = comm.world > 1 or not isinstance(source, Graph)
     in_dim, classes = _dims(source)
+    relations = _relations(cfg, source, distributed)
     rows = source.num_nodes // comm.world if isinstance(source, Graph) else int(source["x"].shape[0])
     check_model_memory(cfg, rows, in_dim)
     model = build_model(
@@ -116,6 +133,9 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
         norm=cfg.norm,
         label_classes=classes if cfg.label_prop > 0 else 0,
         s_spmm=cfg.s_spmm,
+        num_relations=relations,
+        num_bases=cfg.num_bases,
+        num_blocks=cfg.num_blocks,
     )
     specs = model.describe()
     options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages)

@@ -10,7 +10,7 @@ import torch
 from tessera.errors import DatasetError
 from tessera.graph.formats._common import label_data, labels_from_array, load_npy
 from tessera.graph.formats._limits import check_vertex_count
-from tessera.graph.formats._text import parse_columns, parse_numbers
+from tessera.graph.formats._text import parse_columns, parse_numbers, read_gzip
 from tessera.graph.graph import Graph
 
 
@@ -22,13 +22,20 @@ def _sibling(path: Path, kind: str) -> Path | None:
     return None
 
 
+def read_bytes(path: Path) -> bytes:
+    """The bytes of a text file (``.gz`` decompressed), or a DatasetError naming why not."""
+    if path.suffix == ".gz":
+        return read_gzip(path)
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DatasetError(f"cannot read {path}: {e.strerror or e}") from e
+
+
 def read_edges(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     """The ``(E, 2)`` int64 vertex ids and optional ``(E,)`` weights of an edge-list file."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DatasetError(f"cannot read {path}: {e.strerror or e}") from e
+    data = read_bytes(path)
     text, lines, ncols = parse_columns(data, str(path), (2, 3))
     if ncols == 0:
         return np.zeros((0, 2), dtype=np.int64), None
@@ -40,10 +47,7 @@ def read_edges(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
             row = int(np.flatnonzero(frac)[0])
             raise DatasetError(f"{path}, line {lines[row]}: vertex ids must be integers, got {ids[row].tolist()}")
         ids = ids.astype(np.int64)
-    neg = (ids < 0).any(1)
-    if neg.any():
-        row = int(np.flatnonzero(neg)[0])
-        raise DatasetError(f"{path}, line {lines[row]}: negative vertex id in {ids[row].tolist()}")
+    _check_ids(ids, lines, path)
     if ncols == 2:
         return ids, None
     weight = values[:, 2]
@@ -58,19 +62,24 @@ def read_edges(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
     return ids, weight.astype(np.float32)
 
 
-def load_edgelist(
-    path: str | Path,
-    *,
-    features: str | Path | None = None,
-    labels: str | Path | None = None,
-    undirected: bool = False,
-    seed: int = 0,
-    name: str | None = None,
-) -> Graph:
-    """Load a text edge list; features/labels from ``.npy`` files (default: the sibling files
-    ``<stem>.features.npy`` / ``<stem>.labels.npy``), seeded 20/30-per-class split with labels."""
-    path = Path(path)
-    ids, weight = read_edges(path)
+def _check_ids(ids: np.ndarray, lines: np.ndarray, path: Path) -> None:
+    neg = (ids < 0).any(1)
+    if neg.any():
+        row = int(np.flatnonzero(neg)[0])
+        raise DatasetError(f"{path}, line {lines[row]}: negative vertex id in {ids[row].tolist()}")
+
+
+def node_data_for(
+    path: Path,
+    ids: np.ndarray,
+    features: str | Path | None,
+    labels: str | Path | None,
+    seed: int,
+    name: str | None,
+) -> tuple[int, dict]:
+    """The vertex count and node data (features, labels, seeded split) of an edge file whose
+    endpoints are ``ids``, from ``.npy`` files (default: the siblings ``<stem>.features.npy`` /
+    ``<stem>.labels.npy``)."""
     feat_path = Path(features) if features is not None else _sibling(path, "features")
     label_path = Path(labels) if labels is not None else _sibling(path, "labels")
     x = load_npy(feat_path, "features") if feat_path is not None else None
@@ -103,6 +112,23 @@ def load_edgelist(
         node_data["x"] = torch.from_numpy(x.astype(np.float32))
     if y is not None:
         node_data.update(label_data(y, None, seed, str(label_path)))
+    return n, node_data
+
+
+def load_edgelist(
+    path: str | Path,
+    *,
+    features: str | Path | None = None,
+    labels: str | Path | None = None,
+    undirected: bool = False,
+    seed: int = 0,
+    name: str | None = None,
+) -> Graph:
+    """Load a text edge list; features/labels from ``.npy`` files (default: the sibling files
+    ``<stem>.features.npy`` / ``<stem>.labels.npy``), seeded 20/30-per-class split with labels."""
+    path = Path(path)
+    ids, weight = read_edges(path)
+    n, node_data = node_data_for(path, ids, features, labels, seed, name)
     g = Graph.from_edge_index(
         torch.from_numpy(np.ascontiguousarray(ids.T)),
         n,

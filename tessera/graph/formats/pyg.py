@@ -21,7 +21,8 @@ def _require_pyg() -> Any:
 
 
 def from_pyg(data: Any, name: str = "pyg") -> Graph:
-    """A Graph from a PyG ``Data`` (edge_index, x, y, masks, edge_weight, edge_type)."""
+    """A Graph from a PyG ``Data`` (edge_index, x, y, masks, edge_weight, edge_type, and
+    num_relations when the data declares it)."""
     _require_pyg()
     if getattr(data, "edge_index", None) is None:
         raise DatasetError("PyG data has no edge_index")
@@ -46,11 +47,16 @@ def from_pyg(data: Any, name: str = "pyg") -> Graph:
                 f"PyG {m} has shape {tuple(mask.shape)} (several splits); select one first, e.g. data.{m} = data.{m}[:, 0]"
             )
         node[m] = mask
+    edge_type = getattr(data, "edge_type", None)
+    relations = getattr(data, "num_relations", None) if edge_type is not None else None
+    if relations is not None and not isinstance(relations, int):
+        raise DatasetError(f"PyG data.num_relations must be an int, got {relations!r}")
     return Graph.from_edge_index(
         data.edge_index,
         n,
         edge_weight=getattr(data, "edge_weight", None),
-        edge_type=getattr(data, "edge_type", None),
+        edge_type=edge_type,
+        num_relations=relations,
         **node,
     )
 
@@ -63,4 +69,6 @@ def to_pyg(graph: Graph) -> Any:
         v = getattr(graph, k)
         if v is not None:
             fields[k] = v
+    if graph.num_relations is not None:
+        fields["num_relations"] = graph.num_relations
     return pyg_data.Data(**fields)

@@ -243,6 +243,10 @@ def _part_arrays(graph: Graph, part: np.ndarray, k: int, parts: int, fingerprint
     if w is not None:
         arrays["weight"] = w[eid]
         arrays["out_weight"] = w[out_e]
+    if graph.edge_type is not None:
+        t = graph.edge_type.numpy()
+        arrays["etype"] = t[eid]
+        arrays["out_etype"] = t[out_e]
     if graph.x is not None:
         arrays["x"] = graph.x.numpy()[owned]
     if graph.y is not None:
@@ -256,8 +260,9 @@ def _part_arrays(graph: Graph, part: np.ndarray, k: int, parts: int, fingerprint
 
 def write_parts(graph: Graph, part: np.ndarray, out_dir: str | os.PathLike, method: str | None = None) -> Path:
     """Write ``meta.json``, ``parts.npy`` and one ``part-<k>.npz`` per part: owned ids, their
-    in-edges (CSR over owned destinations, global source ids, weights), the cut edges leaving the
-    part (local source, global destination, weight), owners of every referenced vertex, node data."""
+    in-edges (CSR over owned destinations, global source ids, weights, relations), the cut edges
+    leaving the part (local source, global destination, weight, relation), owners of every
+    referenced vertex, node data."""
     part = np.asarray(part, dtype=np.int64)
     n = graph.num_nodes
     if part.shape != (n,):
@@ -286,6 +291,7 @@ def write_parts(graph: Graph, part: np.ndarray, out_dir: str | os.PathLike, meth
         "num_features": graph.num_features,
         "num_classes": graph.num_classes,
         "weighted": graph.edge_weight is not None,
+        "num_relations": graph.num_relations,
         "parts": parts,
         "method": method,
     }
@@ -364,10 +370,13 @@ def load_part(
     if "weight" in data:
         ok = ok and data["weight"].shape == (n_in,) and "out_weight" in data
         ok = ok and data["out_weight"].shape == data["out_dst"].shape
+    if "etype" in data:
+        ok = ok and data["etype"].shape == (n_in,) and "out_etype" in data
+        ok = ok and data["out_etype"].shape == data["out_dst"].shape
     if not ok:
         raise DatasetError(f"{path} is corrupt: inconsistent array shapes")
-    data.setdefault("weight", None)
-    data.setdefault("out_weight", None)
+    for name in ("weight", "out_weight", "etype", "out_etype"):
+        data.setdefault(name, None)
     data["rank"], data["parts"], data["num_nodes"] = int(k), parts, int(data["num_nodes"])
     data["fingerprint"] = fp
     data["meta"] = meta

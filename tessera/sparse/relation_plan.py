@@ -1,0 +1,145 @@
+"""What an operand offers relational layers (:class:`Relations`), and the cost model of the four
+ways :mod:`tessera.sparse.relational` computes ``sum_r A_r x W_r``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera.errors import ConfigError
+from tessera.graph.csr import CSRStructure
+from tessera.graph.relations import (
+    RelationEdges,
+    RelationPairs,
+    all_pairs,
+    destination_pairs,
+    edges_by_relation,
+    pair_counts,
+    source_pairs,
+)
+from tessera.memo import PlanCache
+
+VARIANTS = ("transform_first", "unique_source", "aggregate_first", "edge_wise")
+# The cost model's machine: fp32 GEMM FLOP/s per thread and memory bytes/s (2-core AMD EPYC with
+# AVX-512 as in benchmarks/RESULTS.md; absolute values matter less than their ratio).
+GEMM_FLOPS_PER_THREAD = 60e9
+MEMORY_BANDWIDTH = 12e9
+# A variant whose modelled time is within this factor of the best one is measured; the rest are pruned.
+PRUNE_FACTOR = 2.0
+_plans = PlanCache()  # per typed matrix: its relation structures and the operands over them
+
+
+# ---------------------------------------------------------------------------------------- operand side
+@dataclass(frozen=True)
+class RelationStats:
+    """The sizes the cost model reads: vertices (rows, cols), edges, relations and distinct pairs."""
+
+    rows: int
+    cols: int
+    edges: int
+    relations: int
+    source_pairs: int
+    destination_pairs: int
+
+
+class Relations:
+    """What an operand offers relational layers: its typed matrix's per-relation structures
+    (:mod:`tessera.graph.relations`), wrapped as operands by ``wrap`` so their products run on
+    the operand's backends, and the variant choice (``choose``: the cost model's best, unless
+    the operand's backends layer measures)."""
+
+    def __init__(
+        self,
+        matrix: CSRStructure,
+        wrap: Callable[[CSRStructure, torch.Tensor | None], Any],
+        key: Hashable = None,
+        choose: Callable[[Relations, torch.Tensor, torch.Tensor, str], str] | None = None,
+    ) -> None:
+        """``key`` tells apart the ``wrap`` functions of one matrix (the operands they make are
+        kept per matrix and key, so building a Relations again is free)."""
+        self.matrix, self.wrap, self.key, self._choose = matrix, wrap, key, choose
+
+    @property
+    def num_relations(self) -> int:
+        """The relation count (what ``weight``'s first dimension must be)."""
+        return int(self.matrix.num_relations)
+
+    def _plan(self, key: tuple, make):
+        return _plans.get(self.matrix, (self.key, *key), make)
+
+    def stats(self) -> RelationStats:
+        """Sizes for :func:`variant_cost`."""
+
+        def make() -> RelationStats:
+            s, d = pair_counts(self.matrix)
+            m = self.matrix
+            return RelationStats(m.num_rows, m.num_cols, m.num_edges, self.num_relations, s, d)
+
+        return self._plan(("stats",), make)
+
+    def all_pairs(self, reduce: str) -> Any:
+        """The ``N x (R N)`` operand of :func:`tessera.graph.relations.all_pairs`."""
+
+        def make() -> Any:
+            m = all_pairs(self.matrix, reduce)
+            return self.wrap(m, m.edge_weight)
+
+        return self._plan(("all", reduce), make)
+
+    def pairs(self, side: str, reduce: str) -> tuple[Any, RelationPairs]:
+        """The operand over the distinct (relation, ``side``) pairs (``source`` or ``destination``)."""
+
+        def make() -> tuple[Any, RelationPairs]:
+            p = (source_pairs if side == "source" else destination_pairs)(self.matrix, reduce)
+            return self.wrap(p.matrix, p.matrix.edge_weight), p
+
+        return self._plan((side, reduce), make)
+
+    def edges(self, reduce: str) -> RelationEdges:
+        """The edges sorted by relation."""
+        return self._plan(("edges", reduce), lambda: edges_by_relation(self.matrix, reduce))
+
+    def choose(self, x: torch.Tensor, weight: torch.Tensor, reduce: str) -> str:
+        """The variant ``auto`` runs for this input."""
+        if self._choose is not None:
+            return self._choose(self, x, weight, reduce)
+        return ranked_variants(self.stats(), x.shape[1], weight.shape[2])[0]
+
+
+def variant_cost(stats: RelationStats, fi: int, fo: int, variant: str) -> tuple[float, float]:
+    """Modelled (FLOPs, bytes) of one forward and backward pass of ``variant``: the GEMMs (the
+    backward's two products counted as two more), plus float32 rows gathered, written and
+    scattered and the index and value arrays read (8 bytes per entry)."""
+    n, e, r = stats.rows, stats.edges, stats.relations
+    ps, pd = stats.source_pairs, stats.destination_pairs
+    if variant == "transform_first":
+        rows, gathered, extra = r * stats.cols, e * fo, r * stats.cols * fo
+    elif variant == "unique_source":
+        rows, gathered, extra = ps, e * fo + ps * fi, ps * (fi + fo)
+    elif variant == "aggregate_first":
+        rows, gathered, extra = pd, e * fi + pd * fo, pd * (fi + fo)
+    elif variant == "edge_wise":
+        rows, gathered, extra = e, e * fi + e * fo, e * (fi + fo)
+    else:
+        raise ConfigError(f"unknown RGCN variant {variant!r}; choose auto or one of {', '.join(VARIANTS)}")
+    flops = 3 * 2.0 * rows * fi * fo
+    nbytes = 3 * (4.0 * (gathered + extra + n * fo) + 8.0 * e)
+    return flops, nbytes
+
+
+def model_seconds(stats: RelationStats, fi: int, fo: int, variant: str, threads: int | None = None) -> float:
+    """:func:`variant_cost` in seconds at :data:`GEMM_FLOPS_PER_THREAD` and :data:`MEMORY_BANDWIDTH`."""
+    flops, nbytes = variant_cost(stats, fi, fo, variant)
+    t = threads or torch.get_num_threads()
+    return flops / (GEMM_FLOPS_PER_THREAD * t) + nbytes / MEMORY_BANDWIDTH
+
+
+def ranked_variants(stats: RelationStats, fi: int, fo: int) -> list[str]:
+    """The variants worth measuring, modelled fastest first: those within :data:`PRUNE_FACTOR` of
+    the best (the rest are pruned)."""
+    cost = {v: model_seconds(stats, fi, fo, v) for v in VARIANTS}
+    ranked = sorted(VARIANTS, key=cost.get)
+    return [v for v in ranked if cost[v] <= PRUNE_FACTOR * cost[ranked[0]]]

@@ -1,0 +1,165 @@
+"""Relational aggregation ``out = sum_r A_r x W_r`` (RGCN's neighbour term) and the segment matrix
+product it is built from, with autograd.
+
+``A_r`` holds relation ``r``'s edges with value 1 (``sum``) or ``1 / |N_r(i)|`` (``mean``, PyG's
+per-relation mean). Four variants compute the same sum (WiseGraph §5.2, Fig. 9; the structures
+are :mod:`tessera.graph.relations`'):
+
+* ``transform_first``: ``H = x W_r`` for every relation and vertex in one batched GEMM, then one
+  SpMM over the ``N x (R N)`` matrix (FLOPs ``2 R N fi fo``);
+* ``unique_source``: ``W_r x_j`` only for the distinct (relation, source) pairs (unique-value
+  extraction; FLOPs ``2 P_src fi fo``), then one SpMM over the ``N x P`` matrix;
+* ``aggregate_first``: ``A_r x`` for the distinct (relation, destination) pairs (one SpMM), a
+  segment GEMM per pair, then a scatter into the destinations (the indexing swap: the SpMM
+  gathers rows of width ``fi`` instead of ``fo``);
+* ``edge_wise``: ``W_r x_j`` per edge, scattered into the destinations (FLOPs ``2 E fi fo``).
+
+The cost model (:mod:`tessera.sparse.relation_plan`) gives each one's FLOPs and bytes; an
+operand's :class:`~tessera.sparse.relation_plan.Relations` picks
+the variant (``auto``) from that model, measuring the ones the model cannot tell apart.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.errors import ConfigError
+from tessera.sparse.aggregate import aggregate, check_reduce
+from tessera.sparse.operand import Operand
+from tessera.sparse.relation_plan import VARIANTS, Relations
+
+
+# ---------------------------------------------------------------------------------------- segment GEMM
+def segment_matmul_reference(x: torch.Tensor, ptr: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``out[p] = x[p] @ weight[r]`` for rows ``p`` in ``ptr[r]:ptr[r+1]`` (plain torch, for tests)."""
+    return torch.cat([x[int(ptr[r]) : int(ptr[r + 1])] @ weight[r] for r in range(weight.shape[0])], 0)
+
+
+class SegmentMatmulFn(torch.autograd.Function):
+    """``out[ptr[r]:ptr[r+1]] = x[ptr[r]:ptr[r+1]] @ weight[r]``: one GEMM per segment, into one buffer."""
+
+    @staticmethod
+    def forward(ctx, x, ptr, weight):
+        bounds = ptr.tolist()
+        out = x.new_empty(x.shape[0], weight.shape[2])
+        for r in range(weight.shape[0]):
+            a, b = bounds[r], bounds[r + 1]
+            if b > a:
+                torch.mm(x[a:b], weight[r], out=out[a:b])
+        ctx.bounds = bounds
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        bounds = ctx.bounds
+        g = g.contiguous()
+        gx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros_like(weight) if ctx.needs_input_grad[2] else None
+        for r in range(weight.shape[0]):
+            a, b = bounds[r], bounds[r + 1]
+            if b == a:
+                continue
+            if gx is not None:
+                torch.mm(g[a:b], weight[r].t(), out=gx[a:b])
+            if gw is not None:
+                torch.mm(x[a:b].t(), g[a:b], out=gw[r])
+        if gx is not None:
+            gx[: bounds[0]] = 0
+            gx[bounds[-1] :] = 0
+        return gx, None, gw
+
+
+def segment_matmul(x: torch.Tensor, ptr: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(M, fi)`` whose rows ``ptr[r]:ptr[r+1]`` belong to segment ``r``, times ``weight[r]``
+    ``(R, fi, fo)``; rows outside every segment give zeros. Autograd for ``x`` and ``weight``."""
+    if weight.dim() != 3 or x.dim() != 2 or x.shape[1] != weight.shape[1] or ptr.numel() != weight.shape[0] + 1:
+        raise ValueError(
+            f"segment_matmul needs x (M, fi), ptr (R+1,), weight (R, fi, fo); got {tuple(x.shape)}, "
+            f"{tuple(ptr.shape)}, {tuple(weight.shape)}"
+        )
+    out = SegmentMatmulFn.apply(x.contiguous(), ptr, weight.contiguous())
+    return out
+
+
+# ---------------------------------------------------------------------------------------- variants
+def _transform_first(rel: Relations, x, weight, reduce):
+    h = torch.matmul(x, weight)  # (R, N, fo): one batched GEMM
+    return aggregate(rel.all_pairs(reduce), h.reshape(-1, h.shape[-1]), "sum")
+
+
+def _unique_source(rel: Relations, x, weight, reduce):
+    a, p = rel.pairs("source", reduce)
+    return aggregate(a, segment_matmul(x.index_select(0, p.vertex), p.ptr, weight), "sum")
+
+
+def _aggregate_first(rel: Relations, x, weight, reduce):
+    a, p = rel.pairs("destination", reduce)
+    m = segment_matmul(aggregate(a, x, "sum"), p.ptr, weight)
+    return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, p.vertex, m)
+
+
+def _edge_wise(rel: Relations, x, weight, reduce):
+    e = rel.edges(reduce)
+    m = segment_matmul(x.index_select(0, e.src), e.ptr, weight)
+    if e.norm is not None:
+        m = m * e.norm.unsqueeze(1)
+    return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, e.dst, m)
+
+
+_RUN = {
+    "transform_first": _transform_first,
+    "unique_source": _unique_source,
+    "aggregate_first": _aggregate_first,
+    "edge_wise": _edge_wise,
+}
+
+
+def run_variant(rel: Relations, variant: str, x: torch.Tensor, weight: torch.Tensor, reduce: str) -> torch.Tensor:
+    """``sum_r A_r x W_r`` by ``variant`` (one of :data:`VARIANTS`)."""
+    return _RUN[variant](rel, x, weight, reduce)
+
+
+def relational_aggregate(
+    operand: Operand, x: torch.Tensor, weight: torch.Tensor, reduce: str = "mean", variant: str = "auto"
+) -> torch.Tensor:
+    """``out[i] = sum_r reduce_{j in N_r(i)} x[j] @ weight[r]`` over ``operand``'s typed edges
+    (``mean``: divided by ``|N_r(i)|``, PyG ``RGCNConv``'s per-relation mean); ``weight`` is
+    ``(R, fi, fo)``. ``variant`` is one of :data:`VARIANTS`, or ``auto`` (the operand chooses)."""
+    check_reduce(reduce)
+    rel = operand.relations()
+    if weight.dim() != 3 or weight.shape[0] != rel.num_relations or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"weight must be (num_relations={rel.num_relations}, {x.shape[1]}, fo), got {tuple(weight.shape)}"
+        )
+    if x.shape[0] != operand.num_cols:
+        raise ValueError(f"x has {x.shape[0]} rows but the operand has {operand.num_cols} source vertices")
+    if variant == "auto":
+        variant = rel.choose(x, weight, reduce)
+    elif variant not in VARIANTS:
+        raise ConfigError(f"unknown RGCN variant {variant!r}; choose auto or one of {', '.join(VARIANTS)}")
+    return run_variant(rel, variant, x, weight, reduce)
+
+
+def relational_aggregate_reference(
+    edge_index: torch.Tensor,
+    edge_type: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    reduce: str,
+    num_nodes: int,
+) -> torch.Tensor:
+    """The per-relation loop of the definition (plain torch, for tests): for each relation, the
+    sum or mean of ``x[j] @ weight[r]`` over ``i``'s in-edges of that relation."""
+    out = x.new_zeros(num_nodes, weight.shape[2])
+    for r in range(weight.shape[0]):
+        keep = edge_type == r
+        src, dst = edge_index[0, keep], edge_index[1, keep]
+        msg = x[src] @ weight[r]
+        s = x.new_zeros(num_nodes, weight.shape[2]).index_add(0, dst, msg)
+        if reduce == "mean":
+            cnt = torch.bincount(dst, minlength=num_nodes).clamp(min=1).to(x.dtype)
+            s = s / cnt.unsqueeze(1)
+        out = out + s
+    return out
