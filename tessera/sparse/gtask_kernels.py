@@ -57,9 +57,16 @@ class OutlierPolicy:
     """When a unit is an outlier, relative to the plan's regular shape ``S`` (:func:`regular_rows`).
 
     ``underfill``: rows < ``underfill * S``; ``overfill``: rows > ``overfill * S``; ``frequent``: a
-    (relation, source) pair in at least this many units; ``batch_rows``: rows per batched product
-    (``B = max(1, batch_rows // S)`` units). ``handle=False`` is the paper's uniform baseline: every
-    unit, in scan order, batched ``B`` at a time and padded to its batch's largest."""
+    (relation, source) pair in at least this many units is a frequent value, and a unit at least
+    half of whose rows are frequent values is a frequent-value unit (this label wins over the other
+    two); ``batch_rows``: rows per batched product (``B = max(1, batch_rows // S)`` units).
+
+    ``handle=False`` is the paper's uniform baseline: every unit, in scan order, batched ``B`` at a
+    time and padded to its batch's largest (batches mixing relations run as one ``torch.bmm`` with a
+    weight per unit). Categories are laid out separately in both schedules, so each one's time can
+    be measured. ``handle=True`` extracts frequent values, splits overfill units into chunks of
+    ``S``, packs underfill units (and what is left of frequent-value units, when small) without
+    padding, and batches the rest sorted by (relation, rows) within one relation."""
 
     underfill: float = 0.5
     overfill: float = 2.0
@@ -118,8 +125,9 @@ class _Layout:
         self.piece_pos: list[tuple[np.ndarray, np.ndarray]] = []  # (row ids, positions)
         self.padding = 0
 
-    def padded(self, starts, lens, types, batch_ids, row_ids, category):
-        """Pieces (row ranges ``row_ids[starts:starts+lens]``) in batches ``batch_ids`` (consecutive)."""
+    def padded(self, starts, lens, types, batch_ids, category):
+        """Pieces (row ranges ``[starts, starts + lens)``) in batches ``batch_ids`` (consecutive),
+        each batch padded to its largest piece."""
         if starts.size == 0:
             return
         cut = np.flatnonzero(np.diff(batch_ids)) + 1
@@ -130,7 +138,7 @@ class _Layout:
         block_off = self.offset + np.concatenate(([0], np.cumsum(sizes * counts)[:-1]))
         slot = np.arange(starts.size) - np.repeat(first, counts)
         piece_base = np.repeat(block_off, counts) + slot * np.repeat(sizes, counts)
-        self._place(starts, lens, piece_base, row_ids)
+        self._place(starts, lens, piece_base)
         for b in range(first.size):
             t = types[first[b] : last[b]]
             one = int(t[0]) if (t == t[0]).all() else None
@@ -141,12 +149,12 @@ class _Layout:
         self.padding += total - int(lens.sum())
         self.offset += total
 
-    def packed(self, starts, lens, types, row_ids, category):
+    def packed(self, starts, lens, types, category):
         """Pieces concatenated without padding, one product per relation (pieces sorted by type)."""
         if starts.size == 0:
             return
         base = self.offset + np.concatenate(([0], np.cumsum(lens)[:-1]))
-        self._place(starts, lens, base, row_ids)
+        self._place(starts, lens, base)
         cut = np.flatnonzero(np.diff(types)) + 1
         first = np.concatenate(([0], cut))
         last = np.concatenate((cut, [starts.size]))
@@ -157,9 +165,9 @@ class _Layout:
                 self.blocks.append(Block(int(base[a]), 1, n, torch.tensor([t]), t, category))
         self.offset += int(lens.sum())
 
-    def _place(self, starts, lens, base, row_ids):
+    def _place(self, starts, lens, base):
         within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        self.piece_pos.append((row_ids[np.repeat(starts, lens) + within], np.repeat(base, lens) + within))
+        self.piece_pos.append((np.repeat(starts, lens) + within, np.repeat(base, lens) + within))
 
     def positions(self, num_rows: int) -> np.ndarray:
         """The position of every row in the gathered layout."""
@@ -199,25 +207,17 @@ def _build(plan: GTaskPlan, policy: OutlierPolicy) -> Execution:
     unit_type = np.zeros(num_units, np.int64)
     unit_type[unit_of_edge] = plan.etype
     # every unit's rows (unique sources), and in how many units each (relation, source) pair is
-    _, row_unit, row_src = _dedupe(unit_of_edge, plan.src, n_src)
+    unit_row, row_unit, row_src = _dedupe(unit_of_edge, plan.src, n_src)
     unit_rows = np.bincount(row_unit, minlength=num_units)
-    pairs, pair_units = np.unique(unit_type[row_unit] * n_src + row_src, return_counts=True)
-    edge_pair_units = (
-        pair_units[np.searchsorted(pairs, plan.etype * n_src + plan.src)] if e_count else np.zeros(0, np.int64)
-    )
-    frequent = edge_pair_units >= policy.frequent
+    pair = unit_type[row_unit] * n_src + row_src
+    pairs, pair_units = np.unique(pair, return_counts=True)
+    row_frequent = pair_units[np.searchsorted(pairs, pair)] >= policy.frequent
     s = regular_rows(plan, unit_rows)
     label = np.full(num_units, REGULAR, dtype=object)
     label[unit_rows < policy.underfill * s] = UNDERFILL
     label[unit_rows > policy.overfill * s] = OVERFILL
-    frequent_rows = np.bincount(
-        row_unit,
-        weights=pair_units[np.searchsorted(pairs, unit_type[row_unit] * n_src + row_src)] >= policy.frequent,
-        minlength=num_units,
-    )
-    label[2 * frequent_rows >= np.maximum(unit_rows, 1)] = FREQUENT
-    if not policy.handle:
-        frequent[:] = False
+    label[2 * np.bincount(row_unit, weights=row_frequent, minlength=num_units) >= np.maximum(unit_rows, 1)] = FREQUENT
+    frequent = row_frequent[unit_row] if policy.handle else np.zeros(e_count, bool)
     # rows of the layout: unique (unit, source) of the other edges, unique (relation, source) of
     # the extracted frequent ones (group num_units + relation)
     edge_row, row_group, row_src = _dedupe(np.where(frequent, num_units + plan.etype, unit_of_edge), plan.src, n_src)
@@ -225,12 +225,11 @@ def _build(plan: GTaskPlan, policy: OutlierPolicy) -> Execution:
     rows_left = np.diff(gptr[: num_units + 1])
     batch = max(1, policy.batch_rows // s)
     lay = _Layout()
-    row_ids = np.arange(row_group.size, dtype=np.int64)
     for cat in CATEGORIES:
         units = np.flatnonzero(label == cat)
         if not policy.handle:  # uniform: scan order, B units per batch, padded to the batch's largest
             starts, lens, owner = _pieces(units, gptr)
-            lay.padded(starts, lens, unit_type[owner], np.arange(units.size) // batch, row_ids, cat)
+            lay.padded(starts, lens, unit_type[owner], np.arange(units.size) // batch, cat)
             continue
         units = units[rows_left[units] > 0]
         small = rows_left[units] < policy.underfill * s
@@ -239,14 +238,14 @@ def _build(plan: GTaskPlan, policy: OutlierPolicy) -> Execution:
         o = np.lexsort((-lens, unit_type[owner]))
         starts, lens, t = starts[o], lens[o], unit_type[owner[o]]
         rank = np.arange(t.size) - np.searchsorted(t, t, side="left")
-        lay.padded(starts, lens, t, t * (e_count + 1) + rank // batch, row_ids, cat)
+        lay.padded(starts, lens, t, t * (e_count + 1) + rank // batch, cat)
         # underfill: packed without padding, one product per relation
         u = units[small][np.argsort(unit_type[units[small]], kind="stable")]
         starts, lens, owner = _pieces(u, gptr)
-        lay.packed(starts, lens, unit_type[owner], row_ids, cat)
+        lay.packed(starts, lens, unit_type[owner], cat)
         if cat == FREQUENT:  # the extracted (relation, source) pairs, computed once
             ft = np.arange(types_n)
-            lay.packed(gptr[num_units + ft], np.diff(gptr[num_units:]), ft, row_ids, cat)
+            lay.packed(gptr[num_units + ft], np.diff(gptr[num_units:]), ft, cat)
     position = lay.positions(row_group.size)
     total = lay.offset
     gather_src = np.full(total, -1, np.int64)
