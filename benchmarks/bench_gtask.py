@@ -197,7 +197,7 @@ def main() -> None:
         sweeps = {
             "underfill": [0.0, 0.25, 0.5, 0.75, 1.0],
             "overfill": [1.5, 2.0, 4.0, 8.0, 1e9],
-            "frequent": [2, 4, 8, 16, 10**9],
+            "frequent": [2, 3, 4, 8, 10**9],
             "batch_rows": [256, 1024, 4096, 16384, 65536],
         }
         fns, info = {}, {}

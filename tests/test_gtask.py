@@ -153,15 +153,18 @@ def test_typed_message_sum_equals_edge_wise(text):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 6, 3, generator=gen, dtype=torch.float64, requires_grad=True)  # one relation unused
+    c = torch.rand(src.size, generator=gen, dtype=torch.float64, requires_grad=True)
     probe = torch.randn(n, 3, generator=gen, dtype=torch.float64)
-    ref = typed_message_sum_reference(x, w, src, dst, etype, n)
-    gx, gw = torch.autograd.grad((ref * probe).sum(), (x, w))
     plan = build_plan((src, dst, etype, n), text)
-    for policy in POLICIES:
-        out = typed_message_sum(x, w, plan, policy)
-        hx, hw = torch.autograd.grad((out * probe).sum(), (x, w))
-        for got, want in ((out, ref), (hx, gx), (hw, gw)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for weight in (None, c):
+        ref = typed_message_sum_reference(x, w, src, dst, etype, n, weight)
+        wanted = torch.autograd.grad((ref * probe).sum(), (x, w) if weight is None else (x, w, c))
+        for policy in POLICIES:
+            out = typed_message_sum(x, w, plan, policy, edge_weight=weight)
+            got = torch.autograd.grad((out * probe).sum(), (x, w) if weight is None else (x, w, c))
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            for a, b in zip(got, wanted, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_float32_graph_input_and_errors():

@@ -32,8 +32,26 @@ Outliers, in the paper's words (§6.1), and what is done with them (§6.2, CPU a
   any number of gTasks, are reduced by one thread into one row (no race, no atomics).
 
 Thresholds (the paper gives none; :class:`OutlierPolicy`), measured with
-``benchmarks/bench_gtask.py`` on this machine (2 threads, synthetic arxiv with 16 random relations,
-2.3 M edges, F = 128): see the constants below.
+``benchmarks/bench_gtask.py --threads 2`` (results in ``benchmarks/results/bench_gtask_arxiv.md``)
+on the synthetic arxiv graph (169 k vertices, 2.3 M edges, power-law degrees) with 16 uniformly
+random relations, F = 64, plan ``uniq(Dst.ID)=8 & uniq(Edge.Type)=1`` (the plan with all three
+outlier kinds: Fig. 19 names frequent values for RGCN), median process CPU time of the forward pass
+on a machine shared with other jobs (wall time there measured the other jobs):
+
+* ``frequent = 2``: the only threshold with a clear effect. Extracting every (relation, source)
+  pair shared by 2 or more gTasks leaves the minimum 1.04 M product rows (2.31 M without
+  extraction) and ran 387 ms, against 779 / 519 / 599 / 1160 ms for 3 / 4 / 8 / never. On a CPU a
+  shared pair costs a recomputation and nothing else, so the paper's "frequent" is "repeated".
+* ``overfill = 2.0``: 1.5 to 8 and never were within the noise (291-397 ms) once frequent values
+  are extracted; before that, 4 and 8 were slower than 2 (661, 770 vs 513 ms) as larger overfill
+  units padded their batches.
+* ``underfill = 0.75``: 0 to 1 within the noise (290-445 ms), fewer padded rows as it grows.
+* ``batch_rows = 1024``: 256 to 65536 within the noise (292-408 ms); with frequent = 4, 16384 and
+  65536 were slower (609, 874 ms vs 490 at 1024).
+
+Uniform (every gTask padded to its batch's largest, nothing extracted) vs handled, same plan:
+the forward went from 5.67 s to 0.375 s CPU; the products of the outlier gTasks from 1.81 s to
+0.105 s (-94%); the rows multiplied from 9.76 M padded (2.31 M real) to 1.05 M.
 """
 
 from __future__ import annotations
@@ -68,10 +86,10 @@ class OutlierPolicy:
     ``S``, packs underfill units (and what is left of frequent-value units, when small) without
     padding, and batches the rest sorted by (relation, rows) within one relation."""
 
-    underfill: float = 0.5
+    underfill: float = 0.75
     overfill: float = 2.0
-    frequent: int = 4
-    batch_rows: int = 4096
+    frequent: int = 2
+    batch_rows: int = 1024
     handle: bool = True
 
 
@@ -100,11 +118,13 @@ class Block:
 @dataclass(frozen=True)
 class Execution:
     """A plan laid out for :func:`typed_message_sum`: ``gather`` (rows x sources) selects the
-    rows, ``blocks`` multiply them, ``scatter`` (destinations x rows) sums them into the output."""
+    rows, ``blocks`` multiply them, ``scatter`` (destinations x rows) sums them into the output;
+    ``scatter_edges[i]`` is the input edge id (position in the plan's edge table) of its entry ``i``."""
 
     gather: CSRMatrix
     blocks: tuple[Block, ...]
     scatter: CSRMatrix
+    scatter_edges: torch.Tensor
     regular: int
     stats: dict
 
@@ -269,7 +289,7 @@ def _build(plan: GTaskPlan, policy: OutlierPolicy) -> Execution:
         "frequent_pairs": int((pair_units >= policy.frequent).sum()),
         **{f"{c}_units": int((label == c).sum()) for c in CATEGORIES},
     }
-    return Execution(gather, tuple(lay.blocks), scatter, s, stats)
+    return Execution(gather, tuple(lay.blocks), scatter, torch.from_numpy(plan.order[by_dst]), s, stats)
 
 
 def _check(x: torch.Tensor, weights: torch.Tensor, plan: GTaskPlan) -> None:
@@ -306,25 +326,34 @@ def typed_message_sum(
     plan: GTaskPlan,
     policy: OutlierPolicy = OutlierPolicy(),
     backend: str = "csr",
+    edge_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[d] = sum_{e=(s->d)} x[s] @ weights[type_e]`` over the plan's edges, one dense product
-    per gTask batch (module docstring); differentiable in ``x`` and ``weights``."""
+    """``out[d] = sum_{e=(s->d)} c_e x[s] @ weights[type_e]`` over the plan's edges, one dense
+    product per gTask batch (module docstring); differentiable in ``x``, ``weights`` and
+    ``edge_weight`` (``c``, shape ``(E,)`` in the edge table's order, e.g. RGCN's per-relation mean
+    ``1 / |N_r(d)|``; None: all ones)."""
     _check(x, weights, plan)
     ex = build_execution(plan, policy)
+    if edge_weight is not None and edge_weight.shape != (plan.num_edges,):
+        raise ValueError(f"edge_weight has shape {tuple(edge_weight.shape)}, expected ({plan.num_edges},)")
     xs = aggregate(ex.gather, x, backend=backend)
     ys = run_blocks(ex, xs, weights)
     y = torch.cat(ys) if ys else x.new_zeros(0, weights.shape[2])
-    return aggregate(ex.scatter, y, backend=backend)
+    c = None if edge_weight is None else edge_weight.index_select(0, ex.scatter_edges)
+    return aggregate(ex.scatter, y, backend=backend, weight=c)
 
 
 execute = typed_message_sum
 
 
-def typed_message_sum_reference(x: torch.Tensor, weights: torch.Tensor, src, dst, etype, num_dst: int) -> torch.Tensor:
-    """The edge-wise definition, one relation at a time: ``out[dst_e] += x[src_e] @ W[type_e]``."""
+def typed_message_sum_reference(
+    x: torch.Tensor, weights: torch.Tensor, src, dst, etype, num_dst: int, edge_weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The edge-wise definition, one relation at a time: ``out[dst_e] += c_e x[src_e] @ W[type_e]``."""
     src, dst, etype = (torch.as_tensor(a, dtype=torch.int64) for a in (src, dst, etype))
     out = x.new_zeros(num_dst, weights.shape[2])
     for r in range(weights.shape[0]):
         m = etype == r
-        out = out.index_add(0, dst[m], x[src[m]] @ weights[r])
+        msg = x[src[m]] @ weights[r]
+        out = out.index_add(0, dst[m], msg if edge_weight is None else msg * edge_weight[m].unsqueeze(1))
     return out
