@@ -1,4 +1,4 @@
-"""What an operand offers relational layers (:class:`Relations`), and the cost model of the four
+"""What an operand offers relational layers (:class:`Relations`), and the cost model of the five
 ways :mod:`tessera.sparse.relational` computes ``sum_r A_r x W_r``."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tessera.errors import ConfigError
@@ -21,8 +22,12 @@ from tessera.graph.relations import (
     source_pairs,
 )
 from tessera.memo import PlanCache
+from tessera.sparse.gtask import GTaskPlan, build_plan
 
-VARIANTS = ("transform_first", "unique_source", "aggregate_first", "edge_wise")
+VARIANTS = ("transform_first", "unique_source", "aggregate_first", "edge_wise", "gtask")
+# The gTask plan of the ``gtask`` variant (WiseGraph §4): one relation per gTask and at most 64
+# distinct sources, so each gTask is one dense product of its unique sources' rows
+GTASK_RESTRICTIONS = "uniq(Src.ID)=64 & uniq(Edge.Type)=1"
 # The cost model's machine: fp32 GEMM FLOP/s per thread and memory bytes/s (2-core AMD EPYC with
 # AVX-512 as in benchmarks/RESULTS.md; absolute values matter less than their ratio).
 GEMM_FLOPS_PER_THREAD = 60e9
@@ -102,6 +107,23 @@ class Relations:
         """The edges sorted by relation."""
         return self._plan(("edges", reduce), lambda: edges_by_relation(self.matrix, reduce))
 
+    def gtasks(self, reduce: str) -> tuple[GTaskPlan, torch.Tensor | None]:
+        """The typed edges cut into gTasks by :data:`GTASK_RESTRICTIONS`, and the per-edge factors
+        of ``reduce`` in CSR order (``mean``: ``1 / |N_r(i)|``; ``sum``: None)."""
+
+        def make() -> tuple[GTaskPlan, torch.Tensor | None]:
+            m = self.matrix
+            src = m.indices.numpy().astype(np.int64)
+            dst = np.repeat(np.arange(m.num_rows, dtype=np.int64), np.diff(m.indptr.numpy()))
+            etype = m.edge_type.numpy().astype(np.int64)
+            plan = build_plan((src, dst, etype, max(m.num_rows, m.num_cols)), GTASK_RESTRICTIONS)
+            if reduce == "sum":
+                return plan, None
+            key = dst * self.num_relations + etype
+            return plan, torch.from_numpy(1.0 / np.bincount(key)[key]).float()
+
+        return self._plan(("gtask", reduce), make)
+
     def choose(self, x: torch.Tensor, weight: torch.Tensor, reduce: str) -> str:
         """The variant ``auto`` runs for this input."""
         if self._choose is not None:
@@ -117,7 +139,7 @@ def variant_cost(stats: RelationStats, fi: int, fo: int, variant: str) -> tuple[
     ps, pd = stats.source_pairs, stats.destination_pairs
     if variant == "transform_first":
         rows, gathered, extra = r * stats.cols, e * fo, r * stats.cols * fo
-    elif variant == "unique_source":
+    elif variant in ("unique_source", "gtask"):  # a gTask multiplies its unique sources' rows
         rows, gathered, extra = ps, e * fo + ps * fi, ps * (fi + fo)
     elif variant == "aggregate_first":
         rows, gathered, extra = pd, e * fi + pd * fo, pd * (fi + fo)

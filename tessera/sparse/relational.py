@@ -12,7 +12,10 @@ are :mod:`tessera.graph.relations`'):
 * ``aggregate_first``: ``A_r x`` for the distinct (relation, destination) pairs (one SpMM), a
   segment GEMM per pair, then a scatter into the destinations (the indexing swap: the SpMM
   gathers rows of width ``fi`` instead of ``fo``);
-* ``edge_wise``: ``W_r x_j`` per edge, scattered into the destinations (FLOPs ``2 E fi fo``).
+* ``edge_wise``: ``W_r x_j`` per edge, scattered into the destinations (FLOPs ``2 E fi fo``);
+* ``gtask``: the edges cut into gTasks (WiseGraph §4, :mod:`tessera.sparse.gtask`) of one
+  relation and at most 64 distinct sources, each one dense product of its unique sources' rows,
+  batched, with the outlier gTasks handled (:func:`~tessera.sparse.gtask_kernels.typed_message_sum`).
 
 The cost model (:mod:`tessera.sparse.relation_plan`) gives each one's FLOPs and bytes; an
 operand's :class:`~tessera.sparse.relation_plan.Relations` picks
@@ -25,6 +28,7 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.sparse.aggregate import aggregate, check_reduce
+from tessera.sparse.gtask_kernels import typed_message_sum
 from tessera.sparse.operand import Operand
 from tessera.sparse.relation_plan import VARIANTS, Relations
 
@@ -108,11 +112,17 @@ def _edge_wise(rel: Relations, x, weight, reduce):
     return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, e.dst, m)
 
 
+def _gtask(rel: Relations, x, weight, reduce):
+    plan, norm = rel.gtasks(reduce)
+    return typed_message_sum(x, weight, plan, edge_weight=norm)
+
+
 _RUN = {
     "transform_first": _transform_first,
     "unique_source": _unique_source,
     "aggregate_first": _aggregate_first,
     "edge_wise": _edge_wise,
+    "gtask": _gtask,
 }
 
 
