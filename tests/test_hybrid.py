@@ -21,7 +21,7 @@ from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer
 
 MODELS = ("gcn", "sage", "gin")
-EPOCHS = 5
+EPOCHS = 3
 GROUPS = {4: (1, 2, 4), 3: (3,), 2: (2,)}  # P -> the M trained at P
 # (strategy, M, model, bits, stages) per P besides the grid: partition and tensor to compare bytes
 # with, and at P = 4, M = 2 a pipelined run (float32: still equal to one process) and a 2-bit run

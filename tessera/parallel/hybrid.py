@@ -18,6 +18,9 @@ width about D / M: its plan, ``--remote-agg`` mode, quantization and accounting)
 all-to-all returns every member its rows. Backward is the transpose. M = 1 is partition
 parallelism (row groups of one rank, nothing crosses them) and M = P tensor parallelism (one
 G-part: the halo exchange sends nothing). Every exchange is counted in one log over the job's ranks.
+``--pipeline-stages S`` sends the all-to-all back in tensor parallelism's S row batches (the same
+blocks and bytes), but the halo product is computed whole before the first batch leaves, so no
+exchange overlaps aggregation yet.
 """
 
 from __future__ import annotations
