@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,6 +35,16 @@ def dense_adjacency(g: Graph, weight: torch.Tensor | None = None, dtype=torch.fl
     w = torch.ones(g.num_edges, dtype=dtype) if weight is None else weight.to(dtype)
     a.index_put_((g.dst_index(), g.src_index()), w, accumulate=True)
     return a
+
+
+def each_dataset(datasets: list[tuple[str, str]]) -> Iterator[tuple[str, Graph]]:
+    """``(name, graph)`` for each ``(name, data root or "")``, pointing TESSERA_DATA at the root first."""
+    from tessera.datasets import load
+
+    for name, root in datasets:
+        if root:
+            os.environ["TESSERA_DATA"] = root
+        yield name, load(name)
 
 
 def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:

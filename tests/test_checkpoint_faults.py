@@ -254,7 +254,7 @@ def campaign(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- what the kills must leave
-def _result(path: Path, drop=("epoch_time_median_s", "peak_rss_mb")) -> dict:
+def _result(path: Path, drop=("epoch_time_median_s", "peak_rss_mb", "peak_rss_mb_per_rank")) -> dict:
     res = json.loads((path / "result.json").read_text())
     for k in drop:
         res.pop(k)

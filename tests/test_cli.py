@@ -121,3 +121,25 @@ def test_train_with_no_arguments_defaults_to_synthetic_small(tmp_path, monkeypat
     assert main(["train", "--epochs", "3", "--no-progress"]) == 0
     assert "synthetic:small" in capsys.readouterr().out
     assert list((tmp_path / "runs").iterdir())[0].name.startswith("gcn-synthetic")
+
+
+def test_more_ranks_than_vertices_is_a_one_line_error(tmp_path, capfd):
+    import numpy as np
+
+    path = tmp_path / "triangle.npz"
+    np.savez(
+        path,
+        adj_data=np.ones(6, dtype=np.float32),
+        adj_indices=np.array([1, 2, 0, 2, 0, 1]),
+        adj_indptr=np.array([0, 2, 4, 6]),
+        adj_shape=np.array([3, 3]),
+        attr_data=np.ones(6, dtype=np.float32),
+        attr_indices=np.array([0, 1, 0, 1, 0, 1]),
+        attr_indptr=np.array([0, 2, 4, 6]),
+        attr_shape=np.array([3, 2]),
+        labels=np.array([0, 1, 0]),
+    )
+    argv = ["train", "--dataset", str(path), "--nprocs", "4", "--strategy", "tensor", "--epochs", "1"]
+    msg = one_line_error(capfd, argv + ["--out", str(tmp_path / "run")])  # the ranks print it: capfd
+    assert msg.startswith("tessera: error:") and "3 vertices" in msg and "at most 3" in msg
+    assert not (tmp_path / "run" / "result.json").exists()

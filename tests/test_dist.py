@@ -220,7 +220,7 @@ def test_torchrun_runs_the_same_command(tmp_path):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--model", "gat", "--strategy", "tensor"], "not gat"),
+        (["--model", "gat", "--strategy", "tensor", "--pipeline-stages", "2"], "not gat"),
         (["--strategy", "nosuch"], "--strategy must be"),
     ],
 )

@@ -127,9 +127,32 @@ def test_first_layer_backward_rule():
     assert exchange_layers(gcn, norm="layer")[0] == (128, True)
     assert exchange_layers(gcn, label_prop=0.5)[0] == (128, True)
     assert exchange_layers(build_model("gin", 16, 8, 4, 2).describe()) == [(16, False), (8, True)]
-    gat = build_model("gat", 16, 8, 4, 2).describe()
-    with pytest.raises(ConfigError):
-        exchange_layers(gat)
+    # an attention layer's rows carry its features and one term per head (4 heads of 2, then 1 of 4)
+    assert exchange_layers(build_model("gat", 16, 8, 4, 2, heads=4).describe()) == [(12, True), (5, True)]
+
+
+def test_gat_partition_volume_is_post_rows_of_features_and_terms():
+    # what tests/test_gat_dist.py measures: every mode gathers post-mode rows of the features and
+    # one term per head, both ways, float32 (4 heads of 2, then the 4 classes in one head)
+    g = load("synthetic:tiny")
+    vol = simulate_volumes(g, 3, build_model("gat", 16, 8, 4, 2, heads=4).describe(), MODES, (32,))
+    post = int(pair_rows(*_csr(g), partition(g, 3, "metis", 0), 3, ("post",))["post"].sum())
+    for mode in MODES:
+        assert vol["modes"][mode]["bits"][32]["epoch"]["bytes"] == 2 * 4 * post * ((8 + 4) + (4 + 1)), mode
+
+
+def test_gat_tensor_projection_adds_the_terms_exchanges():
+    from tessera.parallel.tensor_attention import term_blocks
+    from tessera.planner.model import blocks_time, project_tensor
+    from tessera.planner.volume import tensor_volumes
+
+    g, m = load("synthetic:tiny"), CommModel()
+    tv = tensor_volumes(g, 3, build_model("gat", 16, 8, 4, 2, heads=4).describe(), bits=(32, 2))
+    assert tv["terms"] == [8, 2]  # a source and a destination term per head
+    terms = sum(blocks_time(term_blocks(tv["_counts"], k), 32, m) for k in tv["terms"])
+    without = project_tensor({**tv, "terms": [0, 0]}, m)
+    for bits, t in project_tensor(tv, m).items():
+        assert t == pytest.approx(without[bits] + terms) and terms > 0
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -247,3 +270,37 @@ def test_tensor_volume_is_the_all_to_all_formula_and_flat_in_p(capsys):
     out = capsys.readouterr().out
     assert "tensor parallelism (MixGCN)" in out and "prepost" in out
     assert main(["simulate", "--dataset", "synthetic:small", "--parts", "2", "--strategy", "nope"]) == 2
+
+
+def test_blocks_time_of_one_width_is_eq6():
+    from tessera.planner.model import blocks_time
+
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 500, (4, 4))
+    np.fill_diagonal(rows, 0)
+    rows[1, 2] = 0  # a silent pair adds no latency
+    m = CommModel()
+    for bits in (32, 8, 2):
+        want = exchange_time(rows, 24, bits, m)["time_s"]
+        assert blocks_time([(rows, np.full((4, 4), 24))], bits, m) == pytest.approx(want, rel=1e-12)
+
+
+def test_tensor_and_partition_memory_balance_and_plot(small, tmp_path, capsys):
+    # MixGCN Figs. 9-11 analogues: per-rank feature memory and aggregation balance of both strategies
+    specs = _specs(small, "gcn", 32, 2)
+    part = partition(small, 4, "metis", 0)
+    vol = simulate_volumes(small, 4, specs, ("prepost",), (32,))
+    owned = np.bincount(part, minlength=4)
+    received = vol["_rows"]["prepost"].sum(axis=0)
+    want = max(int((4 * w * (owned + received)).max()) for w in vol["widths"])
+    assert vol["feature_bytes_max"]["prepost"] == want
+    edges = np.bincount(part[np.repeat(np.arange(small.num_nodes), np.diff(small.indptr.numpy()))], minlength=4)
+    assert vol["flops_max_over_mean"] == pytest.approx(edges.max() / edges.mean())
+    png = tmp_path / "sim.png"
+    argv = ("--dataset", "synthetic:small", "--parts", "2,4", "--strategy", "partition,tensor", "--comm-bits", "32,8")
+    assert run(_args(*argv, "--remote-agg", "prepost", "--plot", str(png), "--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    t = doc["runs"][1]["tensor"]
+    assert t["time_s"]["32"] > 0 and t["time_s"]["8"] > 0 and "_counts" not in t
+    assert doc["runs"][1]["feature_bytes_max"]["prepost"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

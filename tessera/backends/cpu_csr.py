@@ -599,8 +599,14 @@ class CSRBackend(Backend):
         if hit is not None and hit[0]() is weight and hit[1] == weight._version:
             return hit[2]
         wt = weight.detach().index_select(0, graph.transpose().perm.long())
-        memo[weight.dtype] = (weakref.ref(weight), weight._version, wt)
+        self.keep_transposed_weight(graph, weight, wt)
         return wt
+
+    def keep_transposed_weight(self, graph: CSRStructure, weight: torch.Tensor, wt: torch.Tensor) -> None:
+        """Use ``wt`` as :meth:`transposed_weight` of ``weight`` (fixed, not requiring grad) while
+        ``weight`` is alive and unchanged (one permuted elsewhere, such as a shared copy)."""
+        memo = self.plans.get(graph, "transposed_weight", dict)
+        memo[weight.dtype] = (weakref.ref(weight), weight._version, wt)
 
     def _run(self, graph: CSRStructure, transposed: bool, x: torch.Tensor, w: torch.Tensor | None, out=None):
         sync_numba_threads()

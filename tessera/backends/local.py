@@ -3,6 +3,8 @@ backends, chosen per product by :mod:`tessera.backends.select` when the backend 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tessera.backends import select
@@ -80,10 +82,12 @@ class LocalOperand(Operand):
         return next((get_backend(n) for n in names if get_backend(n).masked), None)
 
     # ------------------------------------------------------------------ variants
-    def _derived_graph(self, key: tuple, what: str, make) -> Graph:
-        if not isinstance(self.matrix, Graph):
-            raise ConfigError(f"{what} needs a Graph, not a {type(self.matrix).__name__}")
-        return _derived.get(self.matrix, key, make)
+    def _derived_graph(self, key: tuple, what: str, make: Callable[[Graph], Graph]) -> Graph:
+        """``make(matrix)``, kept per matrix under ``key``."""
+        m = self.matrix
+        if not isinstance(m, Graph):
+            raise ConfigError(f"{what} needs a Graph, not a {type(m).__name__}")
+        return _derived.get(m, key, lambda: make(m))
 
     def pattern(self) -> LocalOperand:
         return self if self.values is None else LocalOperand(self.matrix, self.backend)
@@ -92,16 +96,14 @@ class LocalOperand(Operand):
         return LocalOperand(self.matrix, self.backend, self.matrix.edge_weight)
 
     def gcn_normalized(self, add_self_loops: bool = True, improved: bool = False) -> LocalOperand:
-        m = self.matrix
         g = self._derived_graph(
-            ("gcn_norm", add_self_loops, improved), "GCN normalisation", lambda: m.gcn_norm(add_self_loops, improved)
+            ("gcn_norm", add_self_loops, improved), "GCN normalisation", lambda m: m.gcn_norm(add_self_loops, improved)
         )
         return LocalOperand(g, self.backend, g.edge_weight)
 
     def with_self_loops(self) -> LocalOperand:
-        m = self.matrix
         g = self._derived_graph(
-            ("self_loops",), "self loops", lambda: m.replace(edge_weight=None, edge_type=None).add_self_loops()
+            ("self_loops",), "self loops", lambda m: m.replace(edge_weight=None, edge_type=None).add_self_loops()
         )
         return LocalOperand(g, self.backend)
 

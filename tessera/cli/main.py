@@ -141,7 +141,8 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(
         f"{cfg.model} on {res['dataset']}: test acc {res['test_acc']:.4f} | val acc {res['val_acc']:.4f} "
         f"(best epoch {res['best_epoch']}) | median epoch {res['epoch_time_median_s'] * 1e3:.2f} ms | "
-        f"peak RSS {res['peak_rss_mb']:.0f} MiB"
+        f"peak RSS {max(res['peak_rss_mb_per_rank']):.0f} MiB"
+        + (f" (largest of {res['world_size']} ranks)" if res["world_size"] > 1 else "")
     )
     return 0
 

@@ -44,7 +44,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--dataset", help="cora | citeseer | ogbn-* | a path | synthetic:<preset> (default synthetic:small)")
     s.add_argument("--name", help="which dataset, when a directory holds several (e.g. cora)")
     s.add_argument("--parts", required=True, help="number of parts, or several comma-separated (e.g. 8,64,512)")
-    s.add_argument("--model", default="gcn", help="gcn | sage | gin (default gcn)")
+    s.add_argument("--model", default="gcn", help="gcn | sage | gin | gat (default gcn)")
+    s.add_argument("--heads", type=int, default=8, help="gat's attention heads, as train --heads (default 8)")
     s.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
     s.add_argument("--layers", type=int, default=2, help="number of graph layers (default 2)")
     s.add_argument("--out-dim", type=int, help="output width (default: the dataset's number of classes)")
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     """Simulate every requested P, print the tables (or JSON), write the plot; returns 0."""
     from tessera.datasets import load
     from tessera.nn import build_model
-    from tessera.planner.model import CommModel, project
+    from tessera.planner.model import CommModel, project, project_tensor
     from tessera.planner.report import format_table, format_table5, to_json, write_plot
     from tessera.planner.volume import hybrid_volumes, simulate_volumes, tensor_volumes
     from tessera.train.config import check_range
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     m = CommModel(args.bandwidth_gbps, args.latency_us, args.quant_gbps)
     if not 0 <= args.label_prop < 1:
         raise ConfigError(f"--label-prop must be in [0, 1), got {args.label_prop}")
-    for name in ("layers", "hidden", "pipeline_stages", "seed"):
+    for name in ("layers", "hidden", "heads", "pipeline_stages", "seed"):
         check_range(name, getattr(args, name))
     if any(p > MAX_PARTS for p in parts):
         raise ConfigError(f"--parts values must be at most {MAX_PARTS:,}, got {args.parts!r}")
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     out_dim = args.out_dim if args.out_dim is not None else g.num_classes
     if out_dim is None:
         raise ConfigError("the graph has no labels; pass the output width (--out-dim)")
-    specs = build_model(args.model, g.num_features, args.hidden, int(out_dim), args.layers).describe()
+    specs = build_model(args.model, g.num_features, args.hidden, int(out_dim), args.layers, heads=args.heads).describe()
     runs = []
     for p in parts:
         t = time.perf_counter()
@@ -171,14 +172,16 @@ def run(args: argparse.Namespace) -> int:
         vol["timing_s"]["total"] = time.perf_counter() - t
         runs.append({"vol": vol, "proj": proj})
         if "tensor" in strategies:
-            runs[-1]["tensor"] = tensor_volumes(
+            tv = tensor_volumes(
                 g, p, specs, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
             )
+            tv["time_s"] = project_tensor(tv, m)
+            runs[-1]["tensor"] = tv
         runs[-1]["hybrid"] = [
             hybrid_volumes(
-                g, p, m, specs, mode, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
+                g, p, k, specs, mode, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
             )
-            for m in groups.get(p, [])
+            for k in groups.get(p, [])
             for mode in modes
         ]
     plot = str(write_plot(runs, args.plot)) if args.plot else None
@@ -186,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         doc = json.loads(to_json(runs, m, plot, args.table_layer))
         for out, r in zip(doc["runs"], runs):
             if "tensor" in r:
-                out["tensor"] = r["tensor"]
+                out["tensor"] = {k: v for k, v in r["tensor"].items() if not k.startswith("_")}
             if r["hybrid"]:
                 out["hybrid"] = [{k: v for k, v in h.items() if not k.startswith("_")} for h in r["hybrid"]]
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
@@ -233,7 +236,8 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
         f"tensor parallelism (MixGCN), per training epoch{f', {stages} pipeline stages' if stages > 1 else ''}:",
         f"{'P':>6} "
         + " ".join(f"{f'tensor MB {b}b':>14}" for b in bits)
-        + f" {'busiest MB 32b':>14} {'feature MB/rank':>16} {'FLOPs max/mean':>15} {'prepost MB':>11} {'tensor/prepost':>15}",
+        + f" {'busiest MB 32b':>14} {'feature MB/rank':>16} {'FLOPs max/mean':>15} {'prepost MB':>11} {'tensor/prepost':>15}"
+        + f" {'prepost feat MB/rank':>21} {'prepost FLOPs max/mean':>23}",
     ]
     crossover = None
     for r in runs:
@@ -249,6 +253,11 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
             + f" {tv['max_rank_bytes'] / 1e6:>14.3f} {tv['feature_bytes_max'] / 1e6:>16.3f} "
             f"{tv['flops_max_over_mean']:>15.3f} "
             + (f"{pre_bytes / 1e6:>11.3f} {ratio:>14.2f}x" if pre_bytes else f"{'-':>11} {'-':>15}")
+            + (
+                f" {r['vol']['feature_bytes_max']['prepost'] / 1e6:>21.3f} {r['vol']['flops_max_over_mean']:>23.3f}"
+                if pre_bytes
+                else ""
+            )
         )
     if any("prepost" in r["vol"]["modes"] for r in runs):
         lines.append(

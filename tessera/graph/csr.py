@@ -84,6 +84,16 @@ class CSRStructure:
 
         return self._derived("transpose", make)
 
+    def set_transpose(self, t: TransposedCSR) -> None:
+        """Use ``t`` as :meth:`transpose` (one computed elsewhere, such as a copy shared between
+        processes); it must be this matrix's column-major CSR."""
+        sizes = (t.indptr.numel(), t.indices.numel(), t.perm.numel())
+        if sizes != (self.num_cols + 1, self.num_edges, self.num_edges):
+            raise ValueError(
+                f"not the transpose of this {self.num_rows} x {self.num_cols} CSR with {self.num_edges} entries"
+            )
+        self._structure["transpose"] = t
+
 
 @dataclass(eq=False)
 class CSRMatrix(CSRStructure):

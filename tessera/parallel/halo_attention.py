@@ -121,8 +121,8 @@ class AttentionOperand(Operand):
         parts = torch.split(both, widths, dim=1)
         return tuple(p.reshape(-1, *x.shape[1:]) for p, x in zip(parts, xs, strict=True))
 
-    def source_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([rows.to(torch.int64), self.gather.recv_ids])
+    def edge_ids(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows, torch.cat([rows.to(torch.int64), self.gather.recv_ids])
 
     def _variant(self, self_loops: bool) -> AttentionOperand:
         if self_loops == self.self_loops:

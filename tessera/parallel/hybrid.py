@@ -37,7 +37,7 @@ from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.parallel.base import Shard, Strategy, row_split
 from tessera.parallel.partition import PartitionStrategy
-from tessera.parallel.tensor import TensorOperand, TensorPlan, stage_rows
+from tessera.parallel.tensor import TensorOperand, TensorPlan, check_layers, stage_rows
 from tessera.sparse import LayerSpec, Operand
 
 
@@ -48,6 +48,14 @@ def check_groups(world: int, groups: int) -> None:
     if world % groups:
         fits = ", ".join(str(m) for m in range(1, world + 1) if world % m == 0)
         raise ConfigError(f"--groups {groups} does not divide the {world} ranks; choose one of {fits}")
+
+
+def refuse_attention(specs: list[LayerSpec]) -> None:
+    """Raise :class:`ConfigError` for attention layers (the runtime and the simulator both ask)."""
+    if any(s.edge_values for s in specs):
+        raise ConfigError(
+            "the hybrid strategy runs gcn, sage and gin, not gat: use --strategy partition, tensor or one process"
+        )
 
 
 def hybrid_layout(world: int, groups: int) -> np.ndarray:
@@ -63,7 +71,8 @@ class HybridPlan(TensorPlan):
     the id order of the G-part, in which the halo plan numbers the rows."""
 
     def __init__(self, ids: np.ndarray, counts: list[int], rank: int, backend: str, log, exchange, stages: int) -> None:
-        super().__init__(None, counts, rank, backend, log, exchange, stages)  # no graph: the halo plan holds it
+        # no graph: the column group's halo plan holds the G-part's structure
+        super().__init__(None, counts, rank, backend, log, exchange, stages, torch.from_numpy(ids))
         order = np.argsort(ids, kind="stable")  # block position of each row in id order
         inverse = np.empty_like(order)
         inverse[order] = np.arange(order.size)
@@ -109,12 +118,8 @@ class HybridStrategy(Strategy):
 
     def check(self, specs: list[LayerSpec]) -> None:
         check_groups(self.comm.world, self.options.groups)
-        if any(s.edge_values for s in specs):
-            raise ConfigError(
-                "the hybrid strategy runs gcn, sage and gin, not gat: use --strategy partition or one process"
-            )
-        if self.options.pipeline_stages < 1:
-            raise ConfigError(f"--pipeline-stages must be at least 1, got {self.options.pipeline_stages}")
+        refuse_attention(specs)
+        check_layers(specs, self.options.pipeline_stages)  # the tensor strategy's: its pipeline stages
 
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
@@ -123,7 +128,7 @@ class HybridStrategy(Strategy):
         if graph.num_nodes < comm.world:
             raise ConfigError(
                 f"cannot split {graph.num_nodes} vertices over {comm.world} ranks (more ranks than vertices); "
-                "start fewer ranks"
+                f"use at most {graph.num_nodes} processes (--nprocs)"
             )
         part = row_split(graph, comm, opt)
         self.rows_comm = subgroup(comm, layout.tolist())

@@ -23,9 +23,13 @@ so the result equals the unpipelined product bit for bit in float32 (below 32 bi
 blocks form other quantization groups, so the rounding differs, unbiased all the same).
 
 Every rank multiplies by the whole graph, so each holds its structure (``graph`` in the rank-block
-vertex order: rank 0's rows, then rank 1's, ...). Attention (GAT) is not run here yet; it could
-stay exact by computing the per-vertex attention terms in the node split and sharing those
-N x heads scalars, so that every rank computes each edge's coefficient for its column slice.
+vertex order: rank 0's rows, then rank 1's, ...): one read-only copy per host, mapped by each of
+its ranks, with the normalised and transposed graphs the layers derive from it
+(:mod:`tessera.parallel.shared_graph`). Attention layers (GAT) stay exact: their
+per-vertex attention terms are computed in the node split and all-gathered (N x 2 heads scalars),
+every rank computes every edge's coefficient and multiplies its column slice by them, and the
+coefficients' gradient shares meet in one reduce-scatter (:mod:`tessera.parallel.tensor_attention`);
+they run unpipelined.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tessera.backends import LocalOperand, local_operand
-from tessera.comm.accounting import FORWARD, CommLog, Timer
+from tessera.backends import LocalOperand
+from tessera.comm.accounting import BACKWARD, FORWARD, CommLog, Timer
 from tessera.comm.exchange import BlockExchange, Blocks
 from tessera.errors import ConfigError
 from tessera.graph import Graph
@@ -42,6 +46,8 @@ from tessera.graph.csr import CSRMatrix, CSRStructure, rows_of
 from tessera.graph.order import permute_graph
 from tessera.memo import PlanCache
 from tessera.parallel.base import ExchangeOperand, Shard, Strategy, row_split
+from tessera.parallel.shared_graph import SharedOperand, shared_graph
+from tessera.parallel.tensor_attention import TermExchange, gather_terms, slice_sddmm, slice_spmm
 from tessera.sparse import LayerSpec, Operand
 
 TO_COLS, TO_ROWS = 1, 2  # exchange tags: node -> feature split; feature -> node split (stage k: TO_ROWS + k)
@@ -111,6 +117,17 @@ def row_batches(matrix: CSRStructure, weight: torch.Tensor | None, counts, stage
     return out
 
 
+def check_layers(specs: list[LayerSpec], stages: int) -> None:
+    """Raise :class:`ConfigError` for ``stages`` this strategy cannot run ``specs`` in (the
+    runtime and the simulator both ask)."""
+    if stages < 1:
+        raise ConfigError(f"--pipeline-stages must be at least 1, got {stages}")
+    if stages > 1 and any(s.edge_values for s in specs):
+        raise ConfigError(
+            "the tensor strategy pipelines gcn, sage and gin aggregations, not gat's: leave --pipeline-stages at 1"
+        )
+
+
 class TensorPlan:
     """The whole graph in rank-block order, this rank's place in it, and its exchange."""
 
@@ -123,11 +140,15 @@ class TensorPlan:
         log: CommLog,
         exchange: BlockExchange,
         stages: int = 1,
+        ids: torch.Tensor | None = None,
     ) -> None:
         self.graph, self.counts, self.rank, self.backend, self.log = graph, counts, rank, backend, log
         self.exchange, self.stages = exchange, int(stages)
         self.offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        #: the global id of every vertex in the rank-block order
+        self.ids = torch.arange(graph.num_nodes) if ids is None else ids
         self._blocks: dict[int, list[tuple[Blocks, Blocks]]] = {}
+        self._terms: TermExchange | None = None
 
     @property
     def rows(self) -> slice:
@@ -143,6 +164,12 @@ class TensorPlan:
                 for r, w in exchange_blocks(self.counts, width, self.stages)
             ]
         return self._blocks[width]
+
+    def terms(self) -> TermExchange:
+        """The all-gather of attention layers' per-vertex terms (made on first use)."""
+        if self._terms is None:
+            self._terms = TermExchange(self.exchange.comm, self.counts, self.log)
+        return self._terms
 
 
 class TensorOperand(ExchangeOperand):
@@ -160,23 +187,30 @@ class TensorOperand(ExchangeOperand):
         return self.plan.counts[self.plan.rank]
 
     def _product(self, x: torch.Tensor, direction: int) -> torch.Tensor:
+        return self._to_rows(self._aggregate(self._to_cols(x, direction), direction), x, direction)
+
+    def _to_cols(self, x: torch.Tensor, direction: int) -> torch.Tensor:
+        """Node split -> feature split: ``x``'s rows (flattened past the first dimension) go out,
+        this rank's columns of every vertex, ``(N, w_me)`` in rank-block order, come back."""
         p, world, me = self.plan, self.comm.world, self.plan.rank
-        ex, n_me = p.exchange, p.counts[me]
-        h = x.reshape(x.shape[0], -1)
-        width = h.shape[1]
-        b = column_bounds(width, world)
-        blocks = p.blocks(width)
-        # node split -> feature split: peer j gets my rows' columns [b[j], b[j+1])
-        send, recv = blocks[0]
+        ex, h = p.exchange, x.reshape(x.shape[0], -1)
+        b = column_bounds(h.shape[1], world)
+        send, recv = p.blocks(h.shape[1])[0]
+        # peer j gets my rows' columns [b[j], b[j+1])
         pieces = [h[:, b[j] : b[j + 1]] for j in range(world)]
         cols = ex.finish_blocks(ex.start_blocks(pieces, send, recv, self.layer, direction, TO_COLS))
-        cols = cols.view(sum(p.counts), b[me + 1] - b[me])
-        pending = [
-            ex.start_blocks(y, *blocks[1 + k], self.layer, direction, TO_ROWS + k)
-            for k, y in enumerate(self._aggregate(cols, direction))
-        ]
-        # feature split -> node split: peer q's block holds my stage-k rows of its columns
-        out = h.new_empty((n_me, width))
+        return cols.view(sum(p.counts), b[me + 1] - b[me])
+
+    def _to_rows(self, ys, x: torch.Tensor, direction: int) -> torch.Tensor:
+        """Feature split -> node split: the product's output columns (``ys``, one tensor per
+        pipeline stage, each sent as soon as it is made) become this rank's rows, shaped as ``x``."""
+        p, world, me = self.plan, self.comm.world, self.plan.rank
+        ex, n_me = p.exchange, p.counts[me]
+        width = int(np.prod(x.shape[1:]))
+        b, blocks = column_bounds(width, world), p.blocks(width)
+        pending = [ex.start_blocks(y, *blocks[1 + k], self.layer, direction, TO_ROWS + k) for k, y in enumerate(ys)]
+        # peer q's block holds my stage-k rows of its columns
+        out = x.new_empty((n_me, width))
         starts = np.concatenate([[0], np.cumsum(stage_rows([n_me], p.stages)[0])]).tolist()
         for k, pend in enumerate(pending):
             recv = blocks[1 + k][1]
@@ -228,18 +262,78 @@ class TensorOperand(ExchangeOperand):
         return self._variant(self.local.with_self_loops())
 
 
+class TensorAttentionOperand(TensorOperand):
+    """An attention layer's operand: every rank computes the edge values of the whole graph from
+    every vertex's gathered terms and multiplies its column slice by them, each column by its
+    head's values (:mod:`tessera.parallel.tensor_attention`)."""
+
+    edge_values = True
+
+    def __init__(self, plan: TensorPlan, comm, layer: int, local: LocalOperand) -> None:
+        super().__init__(plan, comm, layer, local)
+        # direction -> (the tensor last sent to the feature split, its columns): sddmm_dot
+        # reuses the forward input's and the backward gradient's instead of exchanging them again
+        self._split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def edge_structure(self) -> CSRStructure:
+        return self.local.matrix
+
+    def gather_edge_terms(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_terms(self.plan.terms(), self.layer, src, dst)
+
+    def edge_ids(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.plan.ids, self.plan.ids  # every vertex's, which the plan holds (``rows`` among them)
+
+    def spmm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return super().spmm(x) if weight is None else self._weighted(x, weight, FORWARD)
+
+    def spmm_t(self, g: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return super().spmm_t(g) if weight is None else self._weighted(g, weight, BACKWARD)
+
+    def _weighted(self, x: torch.Tensor, weight: torch.Tensor, direction: int) -> torch.Tensor:
+        cols = self._own_cols(x, direction)
+        self._split[direction] = (x, cols)
+        lo, head = self._columns(x)
+        with Timer(self.plan.log, self.layer, direction, "compute_s"):
+            y = slice_spmm(self.local, cols, weight, lo, head, direction == BACKWARD)
+        return self._to_rows([y], x, direction)
+
+    def _columns(self, x: torch.Tensor) -> tuple[int, int]:
+        """The first of this rank's columns of ``x``'s flattened rows, and the width of a head."""
+        width = int(np.prod(x.shape[1:]))
+        return column_bounds(width, self.comm.world)[self.plan.rank], x.shape[-1] if x.dim() == 3 else width
+
+    def _own_cols(self, t: torch.Tensor, direction: int) -> torch.Tensor:
+        """:meth:`_to_cols` in a tensor of its own (below 32 bits the exchange reuses its buffer)."""
+        cols = self._to_cols(t, direction)
+        return cols.clone() if self.plan.exchange.bits < 32 else cols
+
+    def _cols_of(self, t: torch.Tensor, direction: int) -> torch.Tensor:
+        kept = self._split.get(direction)
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        return self._own_cols(t, BACKWARD)  # not multiplied here before: exchange it now
+
+    def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share (its columns) of every edge's per-head ``<g[i], x[j]>`` (see
+        :meth:`Operand.sddmm_dot`)."""
+        gc, xc = self._cols_of(g, BACKWARD), self._cols_of(x, FORWARD)
+        lo, head = self._columns(x)
+        with Timer(self.plan.log, self.layer, BACKWARD, "compute_s"):
+            d = slice_sddmm(self.local, gc, xc, lo, head, x.shape[1] if x.dim() == 3 else 1)
+        return d if x.dim() == 3 else d.view(-1)
+
+    def _variant(self, local: LocalOperand) -> TensorAttentionOperand:
+        return TensorAttentionOperand(self.plan, self.comm, self.layer, local)
+
+
 class TensorStrategy(Strategy):
     """MixGCN's mixture of parallelism: feature-split aggregation between node-split layers."""
 
     name = "tensor"
 
     def check(self, specs: list[LayerSpec]) -> None:
-        if any(s.edge_values for s in specs):
-            raise ConfigError(
-                "the tensor strategy runs gcn, sage and gin, not gat: use --strategy partition or one process"
-            )
-        if self.options.pipeline_stages < 1:
-            raise ConfigError(f"--pipeline-stages must be at least 1, got {self.options.pipeline_stages}")
+        check_layers(specs, self.options.pipeline_stages)
 
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
@@ -252,16 +346,18 @@ class TensorStrategy(Strategy):
         exchange = BlockExchange(self.comm)
         exchange.configure(self.options.comm_bits, self.log)
         self.plan = TensorPlan(
-            permute_graph(structure, order),
+            shared_graph(self.comm, lambda: permute_graph(structure, order), "whole-graph structure"),
             counts,
             self.comm.rank,
             self.options.backend,
             self.log,
             exchange,
             self.options.pipeline_stages,
+            torch.from_numpy(order.astype(np.int64)),
         )
-        owned = torch.from_numpy(order[self.plan.rows].astype(np.int64))
+        owned = self.plan.ids[self.plan.rows]
         return Shard.of_graph(graph, owned)
 
     def operand(self, spec: LayerSpec, layer: int) -> Operand:
-        return TensorOperand(self.plan, self.comm, layer, local_operand(self.plan.graph, self.plan.backend))
+        make = TensorAttentionOperand if spec.edge_values else TensorOperand
+        return make(self.plan, self.comm, layer, SharedOperand(self.plan.graph, self.comm, self.plan.backend))

@@ -86,6 +86,28 @@ def exchange_time(
     }
 
 
+def blocks_time(blocks: list[tuple[np.ndarray, np.ndarray]], bits: int, m: CommModel) -> float:
+    """Eq. 6 summed over all-to-alls whose blocks carry their own widths: per all-to-all, ``rows``
+    and ``widths`` (sender x receiver, as :func:`~tessera.parallel.tensor.exchange_blocks` gives
+    them), the slowest sender's bytes over BW plus a latency per peer plus, below 32 bits, its
+    quantize and dequantize streaming. The diagonal stays on the rank."""
+    bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
+    total = 0.0
+    for rows, widths in blocks:
+        rows = np.array(rows, dtype=np.int64)
+        np.fill_diagonal(rows, 0)
+        per_rank = np.zeros(rows.shape[0])
+        for w in np.unique(widths[rows > 0]):
+            r = np.where(widths == w, rows, 0)
+            data, params = block_bytes(r, int(w), bits)
+            per_rank += (data + params).sum(axis=1) / bw
+            if bits < 32:
+                per_rank += 2 * r.sum(axis=1) * (4 * int(w) + data_bytes(int(w), bits)) / th
+        per_rank += np.count_nonzero(rows, axis=1) * lat
+        total += float(per_rank.max()) if per_rank.size else 0.0
+    return total
+
+
 def eq8_speedup(alpha: float, beta: float, gamma: float, delta: float) -> float:
     """SuperGCN Eq. 8: ``T_comm / T_quant_comm`` for one pair, from the ratios of Eq. 7."""
     return alpha * beta * (gamma + delta) / ((1 + delta) * alpha * beta + 2 * alpha * (1 + gamma) + beta * gamma)
@@ -141,4 +163,24 @@ def project(vol: dict[str, Any], m: CommModel) -> dict[str, Any]:
         for entry in per_mode.values():
             t = entry["epoch"]["time_s"]
             entry["speedup_vs_fp32_post"] = base["epoch"]["time_s"] / t if base and t > 0 else None
+    return out
+
+
+def project_tensor(tv: dict[str, Any], m: CommModel) -> dict[int, float]:
+    """Projected all-to-all seconds per training epoch of :func:`~tessera.planner.volume.tensor_volumes`'
+    result, per bit width: every aggregation's all-to-alls (forward, and backward where the layer
+    has one) and attention layers' term all-gather and reduce-scatter (float32), through
+    :func:`blocks_time`."""
+    from tessera.parallel.tensor import exchange_blocks
+    from tessera.parallel.tensor_attention import term_blocks
+
+    out = {}
+    for bits in tv["bits"]:
+        t = 0.0
+        for width, back, terms in zip(tv["widths"], tv["backward"], tv["terms"], strict=True):
+            one = blocks_time(exchange_blocks(tv["_counts"], width, tv["stages"]), bits, m)
+            t += one * (2 if back else 1)
+            if terms:
+                t += blocks_time(term_blocks(tv["_counts"], terms)[: 2 if back else 1], 32, m)
+        out[int(bits)] = t
     return out

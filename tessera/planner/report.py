@@ -126,7 +126,9 @@ def format_table5(run: dict[str, Any], layer: int = 0) -> str:
 # ---------------------------------------------------------------------------------------- plot
 def write_plot(runs: list[dict[str, Any]], path: str | Path) -> Path:
     """PNG of total MB per epoch and projected communication ms per epoch versus P (log axes), one
-    line per mode and bit width, written atomically."""
+    line per mode and bit width; with tensor volumes (``runs[i]["tensor"]``) also tensor
+    parallelism's lines and two more panels, per-rank feature memory and the busiest rank's
+    aggregation work over the mean (MixGCN Figs. 9-11 analogues). Written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,25 +137,56 @@ def write_plot(runs: list[dict[str, Any]], path: str | Path) -> Path:
 
     runs = sorted(runs, key=lambda r: r["vol"]["parts"])
     ps = [r["vol"]["parts"] for r in runs]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    tensor = all("tensor" in r for r in runs)
+    fig, axes = plt.subplots(2 if tensor else 1, 2, figsize=(11, 8.4 if tensor else 4.2), squeeze=False)
+    a, b = axes[0]
     first = runs[0]["vol"]
-    colors = {"pre": "tab:blue", "post": "tab:orange", "prepost": "tab:green"}
-    markers = {"pre": "s", "post": "o", "prepost": "^"}  # pre and post coincide on symmetric graphs
+    colors = {
+        "pre": "tab:blue",
+        "post": "tab:orange",
+        "prepost": "tab:green",
+        "partition": "tab:green",
+        "tensor": "tab:red",
+    }
+    markers = {
+        "pre": "s",
+        "post": "o",
+        "prepost": "^",
+        "partition": "^",
+        "tensor": "D",
+    }  # pre and post coincide on symmetric graphs
+
+    def style(mode: str, bits: int) -> dict[str, Any]:
+        label = f"{mode} {'fp32' if bits == 32 else f'int{bits}'}"
+        return dict(
+            color=colors.get(mode), linestyle="-" if bits == 32 else "--", marker=markers.get(mode, "o"), label=label
+        )
+
     for mode, per_mode in first["modes"].items():
         for bits in per_mode["bits"]:
-            label = f"{mode} {'fp32' if bits == 32 else f'int{bits}'}"
-            style = dict(
-                color=colors.get(mode),
-                linestyle="-" if bits == 32 else "--",
-                marker=markers.get(mode, "o"),
-                label=label,
+            a.plot(
+                ps, [r["vol"]["modes"][mode]["bits"][bits]["epoch"]["bytes"] / MB for r in runs], **style(mode, bits)
             )
-            a.plot(ps, [r["vol"]["modes"][mode]["bits"][bits]["epoch"]["bytes"] / MB for r in runs], **style)
-            b.plot(ps, [r["proj"][mode][bits]["epoch"]["time_s"] * 1e3 for r in runs], **style)
-    for ax, title, ylab in (
+            b.plot(ps, [r["proj"][mode][bits]["epoch"]["time_s"] * 1e3 for r in runs], **style(mode, bits))
+    titles = [
         (a, "volume per training epoch", "MB (all ranks)"),
         (b, "projected comm time (Eq. 6)", "ms per epoch"),
-    ):
+    ]
+    if tensor:
+        for bits in runs[0]["tensor"]["bits"]:
+            a.plot(ps, [r["tensor"]["bits"][bits]["bytes"] / MB for r in runs], **style("tensor", bits))
+            b.plot(ps, [r["tensor"]["time_s"][bits] * 1e3 for r in runs], **style("tensor", bits))
+        c, d = axes[1]
+        for mode in first["modes"]:
+            c.plot(ps, [r["vol"]["feature_bytes_max"][mode] / MB for r in runs], **style(mode, 32))
+        c.plot(ps, [r["tensor"]["feature_bytes_max"] / MB for r in runs], **style("tensor", 32))
+        d.plot(ps, [r["vol"]["flops_max_over_mean"] for r in runs], **style("partition", 32))
+        d.plot(ps, [r["tensor"]["flops_max_over_mean"] for r in runs], **style("tensor", 32))
+        titles += [
+            (c, "feature memory of the largest rank", "MB per rank"),
+            (d, "aggregation work, busiest rank over mean", "max / mean"),
+        ]
+    for ax, title, ylab in titles:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(ps, [str(p) for p in ps])
@@ -162,7 +195,7 @@ def write_plot(runs: list[dict[str, Any]], path: str | Path) -> Path:
         ax.set_ylabel(ylab)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-    a.legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.suptitle(f"{first['dataset']}: {first['model']} hidden {first['hidden']}, {first['layers']} layers")
     fig.tight_layout()
     path = Path(path)

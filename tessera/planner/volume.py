@@ -9,7 +9,8 @@ epoch is the forward and backward exchange of every layer, except that layer 0 h
 exchange when its aggregated input needs no gradient (autograd skips it: raw features aggregated
 before the linear map, no LayerNorm, no label embedding). Evaluation forwards exchange the forward
 volumes again; they are reported apart (``eval_forward_bytes``), as the runtime's log counts
-training passes only.
+training passes only. An attention layer (GAT) gathers its remote sources' rows in post mode
+whatever the mode, each row its features and its ``edge_terms`` attention terms.
 """
 
 from __future__ import annotations
@@ -31,18 +32,28 @@ DIRECTIONS = ("forward", "backward")
 
 # ---------------------------------------------------------------------------------------- layers
 def exchange_layers(specs: list[LayerSpec], norm: str = "none", label_prop: float = 0.0) -> list[tuple[int, bool]]:
-    """``(width, has_backward)`` per layer, from the layers' own descriptions: every layer
-    exchanges rows of its aggregated width; layer 0 exchanges gradients only when its aggregated
-    input needs one (LayerNorm or label embedding before it, or the layer transforming first)."""
+    """``(width, has_backward)`` per layer of partition parallelism, from the layers' own
+    descriptions: every layer exchanges rows of its aggregated width; layer 0 exchanges gradients
+    only when its aggregated input needs one (LayerNorm or label embedding before it, or the layer
+    transforming first). An attention layer's rows also carry its sources' terms (``edge_terms``)."""
+    return [(w + s.edge_terms if s.edge_values else w, b) for (w, b), s in zip(_layers(specs, norm, label_prop), specs)]
+
+
+def _layers(specs: list[LayerSpec], norm: str, label_prop: float) -> list[tuple[int, bool]]:
+    """``(aggregated width, has_backward)`` per layer (see :func:`exchange_layers`)."""
     if norm not in ("none", "layer"):
         raise ConfigError(f"--norm must be none or layer, got {norm!r}")
-    if any(s.edge_values for s in specs):
-        raise ConfigError(
-            "the simulator models gcn, sage and gin exchanges; gat's (every remote source's features and "
-            "attention terms, post-mode whatever --remote-agg) is measured by training with --nprocs"
-        )
     first_grad = norm == "layer" or label_prop > 0
     return [(s.aggregate_width, i > 0 or s.aggregates_input_grad(first_grad)) for i, s in enumerate(specs)]
+
+
+def _exchange_modes(specs: list[LayerSpec], modes: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan each mode's exchanges follow: attention layers gather their sources in post mode
+    whatever ``--remote-agg`` says (models mixing them with other layers are not modelled)."""
+    attention = {s.edge_values for s in specs}
+    if attention == {True, False}:
+        raise ConfigError("the simulator models all-attention or attention-free models, not a mix")
+    return ("post",) * len(modes) if True in attention else modes
 
 
 # ---------------------------------------------------------------------------------------- bytes
@@ -124,12 +135,15 @@ def simulate_volumes(
     t0 = time.perf_counter()
     part = partition(graph, parts, method, seed)
     t1 = time.perf_counter()
-    rows = pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part, int(parts), tuple(modes))
+    follow = _exchange_modes(specs, tuple(modes))
+    plans = pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part, int(parts), tuple(dict.fromkeys(follow)))
+    rows = {m: plans[f] for m, f in zip(modes, follow)}
     t2 = time.perf_counter()
     summary = summarize(rows, plan, tuple(bits))
     t3 = time.perf_counter()
     owned = np.bincount(part, minlength=int(parts)).astype(np.int64)
     dst_part = np.repeat(part, np.diff(graph.indptr.numpy()))
+    edges = np.bincount(dst_part, minlength=int(parts))
     return {
         "dataset": graph.name,
         "vertices": int(graph.num_nodes),
@@ -149,6 +163,13 @@ def simulate_volumes(
         "layer_inputs": [s.in_width for s in specs],
         "cut_edges": int(np.count_nonzero(part[graph.indices.numpy()] != dst_part)),
         "owned_max": int(owned.max()),
+        # MixGCN Figs. 9 and 11 for partition parallelism: a rank's rows plus the rows it receives
+        # at each exchange width (the largest over layers), and its aggregation work (edges into its
+        # rows) over the mean
+        "feature_bytes_max": {
+            mode: max(int((4 * width * (owned + r.sum(axis=0))).max()) for width, _ in plan) for mode, r in rows.items()
+        },
+        "flops_max_over_mean": float(edges.max() / edges.mean()) if edges.mean() > 0 else 1.0,
         "modes": summary,
         "timing_s": {"partition": t1 - t0, "rows": t2 - t1, "bytes": t3 - t2},
         "_rows": rows,
@@ -212,16 +233,35 @@ def tensor_pair_bytes(counts, width: int, bits: int, stages: int = 1) -> tuple[n
     return data, params
 
 
-def _tensor_bits(counts: np.ndarray, plan: list[tuple[int, bool]], bits: int, stages: int) -> dict[str, Any]:
+def term_pair_bytes(counts, terms: int) -> list[np.ndarray]:
+    """Bytes per ordered pair ``[src, dst]`` of an attention layer's ``terms`` per-vertex values
+    under ``--strategy tensor``: their all-gather (forward) and reduce-scatter (backward), float32
+    whatever the bit width, every block of :func:`~tessera.parallel.tensor_attention.term_blocks`."""
+    from tessera.parallel.tensor_attention import term_blocks
+
+    out = []
+    for rows, _ in term_blocks(counts, terms):
+        data = block_bytes(rows, terms, 32)[0]
+        np.fill_diagonal(data, 0)
+        out.append(data)
+    return out
+
+
+def _tensor_bits(
+    counts: np.ndarray, plan: list[tuple[int, bool]], terms: list[int], bits: int, stages: int
+) -> dict[str, Any]:
     """Bytes of a ``--strategy tensor`` training epoch at ``bits``: per layer and direction (data
-    and parameters, as the runtime's log totals them), in all and of the busiest sender."""
+    and parameters, as the runtime's log totals them), in all and of the busiest sender. Layer
+    ``i``'s exchanges also carry ``terms[i]`` attention terms per vertex (0: none)."""
     sent = np.zeros(counts.size, dtype=np.int64)
     layers = []
-    for i, (width, back) in enumerate(plan):
+    for i, ((width, back), k) in enumerate(zip(plan, terms, strict=True)):
         data, params = tensor_pair_bytes(counts, width, bits, stages)
-        one = {"data_bytes": int(data.sum()), "param_bytes": int(params.sum())}
-        layers.append({"layer": i, "width": width, "forward": one, "backward": one if back else None})
-        sent += (2 if back else 1) * (data + params).sum(axis=1)
+        extra = term_pair_bytes(counts, k) if k else [0, 0]
+        one = [data + e for e in extra[: 2 if back else 1]]
+        sides = [{"data_bytes": int(d.sum()), "param_bytes": int(params.sum())} for d in one]
+        layers.append({"layer": i, "width": width, "forward": sides[0], "backward": sides[1] if back else None})
+        sent += sum((d + params).sum(axis=1) for d in one)
     exchanges = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
     data_bytes, param_bytes = (sum(d[k] for d in exchanges) for k in ("data_bytes", "param_bytes"))
     return {
@@ -248,13 +288,16 @@ def tensor_volumes(
     its :func:`~tessera.parallel.tensor.exchange_blocks`, ``stages`` pipeline stages): fp32 bytes
     in all and of the busiest sender, the same per bit width of ``bits`` (``bits[b]``, with data and
     parameter bytes per layer and direction), the largest per-rank feature memory (its rows plus
-    its column slice of every vertex), and the aggregation FLOPs of the busiest rank over the mean."""
+    its column slice of every vertex), and the aggregation FLOPs of the busiest rank over the mean.
+    Attention layers add their terms' all-gather and reduce-scatter (float32 at every bit width)."""
+    from tessera.parallel.tensor import check_layers
+
     for b in bits:
         if b not in COMM_BITS:
             raise ConfigError(f"comm bits must be among {', '.join(map(str, COMM_BITS))}, got {b}")
-    if stages < 1:
-        raise ConfigError(f"pipeline stages must be at least 1, got {stages}")
-    plan = exchange_layers(specs, norm, label_prop)
+    check_layers(specs, stages)
+    plan = _layers(specs, norm, label_prop)
+    terms = [2 * s.edge_terms if s.edge_values else 0 for s in specs]
     part = partition(graph, parts, method, seed)
     counts = np.bincount(part, minlength=int(parts)).astype(np.int64)
     flops = np.zeros(int(parts), dtype=np.float64)
@@ -263,15 +306,19 @@ def tensor_volumes(
         slices = np.diff([width * i // int(parts) for i in range(int(parts) + 1)])
         flops += (2 if back else 1) * 2.0 * graph.num_edges * slices
         memory = max(memory, int((4 * (graph.num_nodes * slices + counts * width)).max()))
-    fp32 = _tensor_bits(counts, plan, 32, stages)
+    fp32 = _tensor_bits(counts, plan, terms, 32, stages)
     return {
         "parts": int(parts),
         "stages": int(stages),
         "bytes": fp32["bytes"],
         "max_rank_bytes": fp32["max_rank_bytes"],
-        "bits": {int(b): fp32 if b == 32 else _tensor_bits(counts, plan, int(b), stages) for b in bits},
+        "bits": {int(b): fp32 if b == 32 else _tensor_bits(counts, plan, terms, int(b), stages) for b in bits},
         "feature_bytes_max": memory,
         "flops_max_over_mean": float(flops.max() / flops.mean()) if flops.mean() > 0 else 1.0,
+        "widths": [w for w, _ in plan],
+        "backward": [b for _, b in plan],
+        "terms": terms,
+        "_counts": counts,
     }
 
 
@@ -334,8 +381,9 @@ def hybrid_volumes(
     split, its G-parts ``part // M`` and their ``mode`` halo rows): bytes per bit width in all, of
     the busiest sender, and apart for the row groups' all-to-alls and the column groups' halo
     exchanges; ``_runtime`` holds the log layout of each bit width (:func:`hybrid_runtime_bytes`)."""
-    from tessera.parallel.hybrid import hybrid_layout
+    from tessera.parallel.hybrid import hybrid_layout, refuse_attention
 
+    refuse_attention(specs)
     layout = hybrid_layout(int(parts), int(groups))
     plan = exchange_layers(specs, norm, label_prop)
     part = partition(graph, parts, method, seed)

@@ -47,7 +47,9 @@ class Operand(ABC):
 
     @abstractmethod
     def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Per-edge ``<g[i], x[j]>`` for every edge ``j -> i`` in CSR order (per head for 3-D)."""
+        """Per-edge ``<g[i], x[j]>`` for every edge ``j -> i`` in CSR order (per head for 3-D). An
+        operand whose edge values every rank holds whole but whose columns are split over the ranks
+        returns this rank's share of the sum; :meth:`gather_edge_terms`'s backward adds the shares."""
 
     @abstractmethod
     def in_degree(self) -> torch.Tensor:
@@ -78,15 +80,23 @@ class Operand(ABC):
         )
 
     def gather_sources(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per-vertex tensors of this operand's rows extended to its columns, the sources of
-        :meth:`edge_structure`'s edges. Where every edge starts at a row of this process they are
-        the tensors themselves; an operand over part of a graph appends the rows of its remote
-        sources (received, with their gradients sent back in backward)."""
+        """Per-vertex tensors of this operand's rows extended to its columns (the rows
+        :meth:`spmm` reads). Where every column is a row of this process they are the tensors
+        themselves; an operand over part of a graph appends the rows of its remote sources
+        (received, with their gradients sent back in backward)."""
         return xs
 
-    def source_ids(self, rows: torch.Tensor) -> torch.Tensor:
-        """The global vertex ids of :meth:`gather_sources`'s rows, given those of this operand's rows."""
-        return rows
+    def gather_edge_terms(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-vertex terms per-edge values are computed from, extended to :meth:`edge_structure`:
+        ``src`` (rows as :meth:`gather_sources` returns them) to its columns and ``dst`` (this
+        operand's rows) to its rows. Where those are the same vertices they are returned as given;
+        an operand whose edge structure spans vertices of other ranks gathers them."""
+        return src, dst
+
+    def edge_ids(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global vertex ids of :meth:`edge_structure`'s rows and columns, given those of this
+        operand's rows (what per-edge random draws are keyed by)."""
+        return rows, rows
 
     def masked_spmm(
         self,

@@ -311,6 +311,9 @@ class Trainer:
         if self.best["state"] is not None:
             self.model.load_state_dict(self.best["state"])
         final = self.evaluate()
+        rss = torch.zeros(self.comm.world, dtype=torch.float64, device=self.comm.device)
+        rss[self.comm.rank] = peak_rss_mb()
+        rss_per_rank = self.comm.all_reduce_sum(rss).tolist()  # every rank's, in rank order
         times = [h["epoch_time_s"] for h in self.history]
         result = {
             "dataset": self.info[0],
@@ -323,7 +326,8 @@ class Trainer:
             "val_acc": final["val_acc"],
             "test_acc": final["test_acc"],
             "epoch_time_median_s": statistics.median(times) if times else 0.0,
-            "peak_rss_mb": peak_rss_mb(),
+            "peak_rss_mb": rss_per_rank[self.comm.rank],
+            "peak_rss_mb_per_rank": rss_per_rank,
             "num_params": sum(p.numel() for p in self.model.parameters()),
             "vertex_order": "none" if self.order is None else self.order.method,
             "config": self.cfg.to_dict(),

@@ -61,7 +61,10 @@ def _validate(graph: Graph, parts: int, method: str) -> None:
     if parts < 1:
         raise ConfigError(f"number of parts must be at least 1, got {parts}")
     if parts > graph.num_nodes:
-        raise ConfigError(f"cannot split {graph.num_nodes} vertices into {parts} parts (more parts than vertices)")
+        raise ConfigError(
+            f"cannot split {graph.num_nodes} vertices into {parts} parts (more parts than vertices); "
+            f"use at most {graph.num_nodes} processes (--nprocs) or parts"
+        )
     if method not in METHODS:
         raise ConfigError(f"unknown partition method {method!r}; choose one of: {', '.join(METHODS)}")
 

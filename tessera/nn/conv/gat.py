@@ -62,8 +62,10 @@ class GATConv(GraphConv):
         a_src = (h * self.att_src).sum(-1)
         a_dst = (h * self.att_dst).sum(-1)
         # The sources' features and attention terms (all local in one process; a partition's
-        # remote sources arrive in one exchange).
+        # remote sources arrive in one exchange), then the terms of every edge's two ends (under
+        # tensor parallelism every rank's edge structure is the whole graph: all vertices' terms).
         h_src, a_src = a.gather_sources(h, a_src)
+        a_src, a_dst = a.gather_edge_terms(a_src, a_dst)
         edges = a.edge_structure()
         # Fused score, LeakyReLU and per-destination softmax: O(E x heads) memory, no E x F tensor.
         alpha = sparse.gat_attention(edges, a_src, a_dst, self.negative_slope)
@@ -79,14 +81,14 @@ class GATConv(GraphConv):
         cached = self._keys_cache
         if cached is not None and cached[0] is edges and cached[1] is rows:
             return cached[2]
-        ids = torch.arange(n) if rows is None else rows
-        keys = sparse.edge_keys(edges, ids, a.source_ids(ids))
+        keys = sparse.edge_keys(edges, *a.edge_ids(torch.arange(n) if rows is None else rows))
         self._keys_cache = (edges, rows, keys)
         return keys
 
     def describe(self) -> LayerSpec:
         width = self.heads * self.out_channels
-        return LayerSpec(self.in_channels, width if self.concat else self.out_channels, width, False, True)
+        out = width if self.concat else self.out_channels
+        return LayerSpec(self.in_channels, out, width, False, True, edge_terms=self.heads)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, heads={self.heads}"
