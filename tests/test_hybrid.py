@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import single_thread, spawn_groups
+from helpers import each_dataset, single_thread, spawn_groups
 from tessera.comm.group import Comm
 from tessera.datasets import load
 from tessera.errors import ConfigError
@@ -65,10 +65,7 @@ def _worker(rank, world, port, datasets, out_dir):
     comm = init_from_env(120)
     results = {}
     try:
-        for ds, root in datasets:
-            if root:
-                os.environ["TESSERA_DATA"] = root
-            g = load(ds)
+        for ds, g in each_dataset(datasets):
             for run in _runs(world, ds):
                 strategy, m, model, bits, stages = run
                 key = "|".join(map(str, (ds, *run)))
@@ -95,10 +92,7 @@ def datasets(planetoid_root):
 def single_process(datasets, tmp_path_factory):
     ref = {}
     with single_thread():
-        for ds, root in datasets:
-            if root:
-                os.environ["TESSERA_DATA"] = root
-            g = load(ds)
+        for ds, g in each_dataset(datasets):
             for model in MODELS:
                 t = Trainer(_config(ds, model, tmp_path_factory.mktemp("ref"), "partition"), g)
                 t.fit()
@@ -136,7 +130,7 @@ def test_hybrid_matches_single_process(world, group_runs, datasets, single_proce
 def test_hybrid_bytes_are_the_simulated_bytes(world, group_runs, datasets):
     # every epoch's per-layer, per-direction, per-pair bytes (data and quantization parameters)
     # equal hybrid_volumes's, which `tessera simulate --strategy hybrid` prints
-    graphs = {ds: load(ds) for ds, _ in datasets}
+    graphs = dict(each_dataset(datasets))
     checked = 0
     for key, res in group_runs[world].items():
         ds, strategy, m, model, bits, stages = key.split("|")
