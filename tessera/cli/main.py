@@ -69,8 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")
     t.add_argument(
         "--strategy",
-        help="partition | tensor: how --nprocs ranks split a layer (halo exchange, or MixGCN's feature split; "
-        "default partition)",
+        help="partition | tensor | hybrid: how --nprocs ranks split a layer (halo exchange, MixGCN's feature "
+        "split, or --groups column slices of halo-exchanging parts; default partition)",
+    )
+    t.add_argument(
+        "--groups",
+        type=int,
+        help="hybrid strategy: M column slices, each aggregated by nprocs/M halo-exchanging parts; M divides "
+        "--nprocs (1 = partition, nprocs = tensor; default 1)",
     )
     t.add_argument(
         "--pipeline-stages",

@@ -68,7 +68,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument(
         "--strategy",
         default="partition",
-        help="partition | tensor | partition,tensor: tensor adds MixGCN's volumes beside prepost (default partition)",
+        help="partition, tensor, hybrid or a comma list: tensor adds MixGCN's volumes beside prepost, hybrid "
+        "the volumes of --strategy hybrid at each --groups M (default partition)",
+    )
+    s.add_argument(
+        "--groups",
+        default="all",
+        help="hybrid strategy's M, as train --groups: comma list of values dividing every --parts P, or all "
+        "(every divisor of each P; default all)",
     )
     s.add_argument(
         "--pipeline-stages",
@@ -133,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.nn import build_model
     from tessera.planner.model import CommModel, project, project_tensor
     from tessera.planner.report import format_table, format_table5, to_json, write_plot
-    from tessera.planner.volume import simulate_volumes, tensor_volumes
+    from tessera.planner.volume import hybrid_volumes, simulate_volumes, tensor_volumes
     from tessera.train.config import check_range
 
     parts = _ints(args.parts, "--parts")
@@ -141,8 +148,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--parts values must be at least 1, got {args.parts!r}")
     modes, bits = _modes(args.remote_agg), _bits(args.comm_bits)
     strategies = tuple(dict.fromkeys(s.strip() for s in args.strategy.split(",") if s.strip()))
-    if not strategies or any(s not in ("partition", "tensor") for s in strategies):
-        raise ConfigError(f"--strategy must be partition, tensor or both comma-separated, got {args.strategy!r}")
+    if not strategies or any(s not in ("partition", "tensor", "hybrid") for s in strategies):
+        raise ConfigError(
+            f"--strategy must be partition, tensor, hybrid or a comma list of them, got {args.strategy!r}"
+        )
+    groups = {p: _groups(args.groups, p) for p in parts} if "hybrid" in strategies else {}
     m = CommModel(args.bandwidth_gbps, args.latency_us, args.quant_gbps)
     if not 0 <= args.dropout < 1:
         raise ConfigError(f"--dropout must be in [0, 1), got {args.dropout}")
@@ -187,12 +197,21 @@ def run(args: argparse.Namespace) -> int:
             )
             tv["time_s"] = project_tensor(tv, m)
             runs[-1]["tensor"] = tv
+        runs[-1]["hybrid"] = [
+            hybrid_volumes(
+                g, p, k, specs, mode, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
+            )
+            for k in groups.get(p, [])
+            for mode in modes
+        ]
     plot = str(write_plot(runs, args.plot)) if args.plot else None
     if args.json:
         doc = json.loads(to_json(runs, m, plot, args.table_layer))
         for out, r in zip(doc["runs"], runs):
             if "tensor" in r:
                 out["tensor"] = {k: v for k, v in r["tensor"].items() if not k.startswith("_")}
+            if r["hybrid"]:
+                out["hybrid"] = [{k: v for k, v in h.items() if not k.startswith("_")} for h in r["hybrid"]]
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
         return 0
     v0 = runs[0]["vol"]
@@ -213,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     if "tensor" in strategies:
         print()
         print(format_tensor_table(runs))
+    if "hybrid" in strategies:
+        print()
+        print(format_hybrid_table(runs))
     print()
     print(f"load {load_s:.2f} s")
     for r in runs:
@@ -264,6 +286,41 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
             if crossover
             else "tensor moves more fp32 bytes than prepost at every simulated P"
         )
+    return "\n".join(lines)
+
+
+def _groups(text: str, parts: int) -> list[int]:
+    """The hybrid ``--groups`` values for ``parts`` ranks: ``all`` is every divisor of ``parts``."""
+    from tessera.parallel.hybrid import check_groups
+
+    if str(text).strip() == "all":
+        return [m for m in range(1, parts + 1) if parts % m == 0]
+    values = _ints(text, "--groups")
+    for m in values:
+        check_groups(parts, m)
+    return sorted(set(values))
+
+
+def format_hybrid_table(runs: list[dict[str, Any]]) -> str:
+    """Hybrid parallelism's volume per P, M and halo mode (per bit width: in all, the row groups'
+    all-to-alls and the column groups' halo exchanges apart, the busiest sender) beside partition
+    parallelism's volume in the same mode and bits (M = 1 is partition, M = P tensor)."""
+    lines = [
+        "hybrid parallelism (M column slices x G = P/M halo-exchanging parts), per training epoch:",
+        f"{'P':>6} {'M':>5} {'G':>5}  {'mode':<8} {'bits':>4} {'hybrid MB':>12} {'all-to-all MB':>14} {'halo MB':>11} "
+        f"{'busiest MB':>11} {'partition MB':>13} {'hybrid/partition':>17}",
+    ]
+    for r in runs:
+        for h in r.get("hybrid", []):
+            for bits, v in h["bits"].items():
+                part = r["vol"]["modes"].get(h["mode"], {}).get("bits", {}).get(bits)
+                pb = part["epoch"]["bytes"] if part else None
+                lines.append(
+                    f"{h['parts']:>6} {h['groups']:>5} {h['parts'] // h['groups']:>5}  {h['mode']:<8} {bits:>4} "
+                    f"{v['bytes'] / 1e6:>12.3f} {v['alltoall_bytes'] / 1e6:>14.3f} {v['halo_bytes'] / 1e6:>11.3f} "
+                    f"{v['max_rank_bytes'] / 1e6:>11.3f} "
+                    + (f"{pb / 1e6:>13.3f} {v['bytes'] / pb:>16.2f}x" if pb else f"{'-':>13} {'-':>17}")
+                )
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ A block is ``rows`` rows of ``width`` values for one peer (:class:`Blocks` lists
 rank order); each is one slice of one flat buffer, laid out on the wire as :mod:`tessera.comm.wire`
 says, so every peer decodes its block alone. Partition parallelism's halo (:class:`Exchange`)
 sends blocks of one width, the tensor strategy also blocks whose width differs per peer (its
-column slices). Below 32 bits consecutive blocks of one width are quantized by one
+column slices). An exchange runs among the members of its :class:`~tessera.comm.group.Comm`
+(the whole job, or a subgroup: peers are numbered within it, and the log counts job ranks).
+Below 32 bits consecutive blocks of one width are quantized by one
 :func:`~tessera.comm.quantize.encode` call; a rank's block to itself is not sent, it is copied
 in float32. Quantized send, receive and decoded buffers are kept per exchange and reused every
 epoch instead of being allocated (and page-faulted in) per call: safe because an exchange is
@@ -121,9 +123,12 @@ class BlockExchange:
         """Count the sent blocks (not the one to this rank) in the log, one call per width."""
         if self.log is None:
             return
-        me = self.comm.rank
+        me, job = self.comm.rank, self.comm.job_ranks()
         for width in dict.fromkeys(send.widths):
-            counts = [r if w == width and q != me else 0 for q, (r, w) in enumerate(zip(send.rows, send.widths))]
+            counts = [0] * self.log.world  # per job rank: the log counts the whole job's pairs
+            for q, (r, w) in enumerate(zip(send.rows, send.widths)):
+                if w == width and q != me:
+                    counts[job[q]] = r
             if any(counts):
                 self.log.record(layer, direction, counts, width, self.bits)
 
@@ -158,7 +163,7 @@ class BlockExchange:
             for a, b, width in send.runs(skip):
                 rows = list(send.rows[a:b])
                 x = _run_values(data, send, a, b).view(sum(rows), width).float()
-                seed = quantization_seed(layer, direction, me, (tag, a))
+                seed = quantization_seed(layer, direction, self.comm.job_rank, (tag, a))
                 encode(x, self.bits, seed, out=payload[starts[a] : starts[b]], splits=rows)
         out = self._buffer(("recv", *key), (sum(recv_split),), torch.uint8)
         own = _run_values(data, send, me, me + 1) if skip is not None else None
@@ -171,7 +176,12 @@ class BlockExchange:
                 work = None
             else:
                 work = dist.all_to_all_single(
-                    out, payload, output_split_sizes=recv_split, input_split_sizes=send_split, async_op=True
+                    out,
+                    payload,
+                    output_split_sizes=recv_split,
+                    input_split_sizes=send_split,
+                    group=self.comm.group,
+                    async_op=True,
                 )
         return Pending(work, out, recv, own, key, layer, direction)
 

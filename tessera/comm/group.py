@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,29 @@ from tessera.errors import ConfigError
 
 @dataclass
 class Comm:
-    """This process's place in the job: rank, world size, device and the collectives it uses."""
+    """This process's place in a group of the job's ranks (the whole job unless made by
+    :func:`subgroup`): rank and size within it, device, and the collectives it runs over it."""
 
     rank: int
     world: int
     device: torch.device
+    group: Any = None  # the torch.distributed process group; None: the whole job
+    members: tuple[int, ...] | None = None  # the job rank of each member; None: the whole job in order
+    job_world: int | None = None  # ranks in the job (None: this group is the job)
+
+    @property
+    def job_rank(self) -> int:
+        """This process's rank in the whole job."""
+        return self.rank if self.members is None else self.members[self.rank]
+
+    @property
+    def job_size(self) -> int:
+        """Ranks in the whole job."""
+        return self.world if self.job_world is None else self.job_world
+
+    def job_ranks(self) -> list[int]:
+        """The job rank of each member, in group order."""
+        return list(range(self.world)) if self.members is None else list(self.members)
 
     @property
     def backend(self) -> str:
@@ -32,19 +51,35 @@ class Comm:
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over all ranks (no-op for one rank); returns ``t``."""
         if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """In-place broadcast from ``src``; returns ``t``."""
+        """In-place broadcast from member ``src``; returns ``t``."""
         if self.world > 1:
-            dist.broadcast(t, src)
+            dist.broadcast(t, self.job_ranks()[src], group=self.group)
         return t
 
     def barrier(self) -> None:
-        """Wait for every rank."""
+        """Wait for every member."""
         if self.world > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
+
+
+def subgroup(comm: Comm, groups: list[list[int]]) -> Comm:
+    """This rank's group among ``groups`` (lists of job ranks, each rank in exactly one): every
+    rank creates every group of more than one rank, in the given order, as
+    ``torch.distributed.new_group`` requires, so all ranks must pass the same ``groups``."""
+    mine = None
+    for members in groups:
+        handle = dist.new_group(list(members)) if len(members) > 1 else None
+        if comm.job_rank in members:
+            mine = Comm(
+                list(members).index(comm.job_rank), len(members), comm.device, handle, tuple(members), comm.job_size
+            )
+    if mine is None:
+        raise ValueError(f"rank {comm.job_rank} is in none of the groups {groups}")
+    return mine
 
 
 def env_world_size() -> int:

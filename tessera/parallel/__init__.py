@@ -3,6 +3,7 @@
 from tessera.comm.group import Comm
 from tessera.errors import ConfigError
 from tessera.parallel.base import Shard, Strategy, StrategyOptions
+from tessera.parallel.hybrid import HybridStrategy
 from tessera.parallel.partition import PartitionStrategy
 from tessera.parallel.single import SingleStrategy
 from tessera.parallel.tensor import TensorStrategy
@@ -27,5 +28,6 @@ def make_strategy(name: str, comm: Comm, options: StrategyOptions) -> Strategy:
 register_strategy(SingleStrategy)
 register_strategy(PartitionStrategy)
 register_strategy(TensorStrategy)
+register_strategy(HybridStrategy)
 
 __all__ = ["STRATEGIES", "Shard", "Strategy", "StrategyOptions", "make_strategy", "register_strategy"]

@@ -59,7 +59,8 @@ class Shard:
 @dataclass(frozen=True)
 class StrategyOptions:
     """The settings a strategy reads: aggregation backend, remote aggregation mode, partition
-    method and seed, the exchange's bit width, and the tensor strategy's pipeline stages."""
+    method and seed, the exchange's bit width, the tensor strategy's pipeline stages and the
+    hybrid strategy's column groups."""
 
     backend: str = "auto"
     remote_agg: str = "prepost"
@@ -67,6 +68,7 @@ class StrategyOptions:
     seed: int = 0
     comm_bits: int = 32
     pipeline_stages: int = 1
+    groups: int = 1
 
 
 def row_split(graph: Graph, comm: Comm, options: StrategyOptions) -> np.ndarray:

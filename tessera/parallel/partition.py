@@ -171,8 +171,12 @@ class PartitionStrategy(Strategy):
 
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
+        return Shard.of_graph(graph, self.plan_rows(graph, row_split(graph, self.comm, self.options)))
+
+    def plan_rows(self, graph: Graph, part: np.ndarray) -> torch.Tensor:
+        """Build this rank's halo plan and exchange for the split ``part`` (the part of every
+        vertex, one part per member of ``self.comm``) and return the global ids of its rows."""
         comm, opt = self.comm, self.options
-        part = row_split(graph, comm, opt)
         w = None if graph.edge_weight is None else graph.edge_weight.numpy()
 
         def plan_for(mode: str) -> RankPlan:
@@ -186,7 +190,7 @@ class PartitionStrategy(Strategy):
             np.add.at(wsum, graph.dst_index().numpy(), w.astype(np.float64))
             in_weight = wsum[plan.owned]
         self._start(plan, in_weight, plan_for)
-        return Shard.of_graph(graph, owned)
+        return owned
 
     def shard_from_part(self, data: dict[str, Any]) -> Shard:
         meta = data.get("meta", {})
@@ -215,7 +219,7 @@ class PartitionStrategy(Strategy):
         )
 
     def _start(self, plan: RankPlan, in_weight: np.ndarray, plan_for: Callable[[str], RankPlan]) -> None:
-        self.log = CommLog(self.comm.rank, self.comm.world)
+        self.log = CommLog(self.comm.job_rank, self.comm.job_size)
         self.halo = HaloPlan(plan, in_weight, self._exchange(plan), self.options.backend)
         self._plan, self._plan_for = plan, plan_for
         self._gather: SourceGather | None = None

@@ -353,3 +353,86 @@ def tensor_volumes(
         "terms": terms,
         "_counts": counts,
     }
+
+
+# ---------------------------------------------------------------------------------------- hybrid
+def hybrid_pair_bytes(
+    counts, halo_rows: np.ndarray, groups: int, width: int, bits: int, stages: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """(data, parameter) bytes per ordered pair ``[src, dst]`` of the P ranks in one
+    ``--strategy hybrid --groups M`` aggregation at ``width``, forward: each row group's
+    all-to-alls (:func:`tensor_pair_bytes` of its members' row ``counts``) and each column group's
+    halo exchange among the G-parts at its column slice's width (``halo_rows[g, h]``: rows G-part
+    ``g`` sends G-part ``h``, the plans' ``send_counts``; pass its transpose for backward)."""
+    from tessera.parallel.hybrid import hybrid_layout
+    from tessera.parallel.tensor import column_bounds
+
+    counts = np.asarray(counts, dtype=np.int64)
+    layout = hybrid_layout(counts.size, groups)
+    data, params = np.zeros((counts.size,) * 2, dtype=np.int64), np.zeros((counts.size,) * 2, dtype=np.int64)
+    for members in layout:
+        d, p = tensor_pair_bytes(counts[members], width, bits, stages)
+        data[np.ix_(members, members)] += d
+        params[np.ix_(members, members)] += p
+    for c, w in enumerate(np.diff(column_bounds(width, groups))):
+        if w:  # an empty column slice sends nothing
+            d, p = pair_bytes(halo_rows, int(w), bits)
+            data[np.ix_(layout[:, c], layout[:, c])] += d
+            params[np.ix_(layout[:, c], layout[:, c])] += p
+    return data, params
+
+
+def hybrid_runtime_bytes(
+    counts, halo_rows: np.ndarray, groups: int, plan: list[tuple[int, bool]], bits: int, stages: int = 1
+) -> dict[str, np.ndarray]:
+    """One hybrid training epoch in the runtime log's layout (``CommLog.gather``), as int64 arrays:
+    ``bytes_data[layer, direction, src, dst]`` and ``bytes_params``."""
+    n = len(counts)
+    out = {k: np.zeros((len(plan), 2, n, n), dtype=np.int64) for k in ("bytes_data", "bytes_params")}
+    for layer, (width, back) in enumerate(plan):
+        for direction, rows in enumerate((halo_rows, halo_rows.T) if back else (halo_rows,)):
+            data, params = hybrid_pair_bytes(counts, rows, groups, width, bits, stages)
+            out["bytes_data"][layer, direction] = data
+            out["bytes_params"][layer, direction] = params
+    return out
+
+
+def hybrid_volumes(
+    graph: Graph,
+    parts: int,
+    groups: int,
+    specs: list[LayerSpec],
+    mode: str = "prepost",
+    method: str = "metis",
+    seed: int = 0,
+    norm: str = "none",
+    label_prop: float = 0.0,
+    bits=(32,),
+    stages: int = 1,
+) -> dict[str, Any]:
+    """Per training epoch of ``--strategy hybrid --groups M`` on ``parts`` ranks (the runtime's row
+    split, its G-parts ``part // M`` and their ``mode`` halo rows): bytes per bit width in all, of
+    the busiest sender, and apart for the row groups' all-to-alls and the column groups' halo
+    exchanges; ``_runtime`` holds the log layout of each bit width (:func:`hybrid_runtime_bytes`)."""
+    from tessera.parallel.hybrid import hybrid_layout, refuse_attention
+
+    refuse_attention(specs)
+    layout = hybrid_layout(int(parts), int(groups))
+    plan = exchange_layers(specs, norm, label_prop)
+    part = partition(graph, parts, method, seed)
+    counts = np.bincount(part, minlength=int(parts)).astype(np.int64)
+    g = layout.shape[0]
+    halo = pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part // int(groups), g, (mode,))[mode]
+    out: dict[str, Any] = {"parts": int(parts), "groups": int(groups), "mode": mode, "bits": {}, "_runtime": {}}
+    same_row_group = (np.arange(int(parts))[:, None] // int(groups)) == (np.arange(int(parts))[None, :] // int(groups))
+    for b in bits:
+        rt = hybrid_runtime_bytes(counts, halo, int(groups), plan, int(b), stages)
+        pairs = (rt["bytes_data"] + rt["bytes_params"]).sum(axis=(0, 1))  # [src, dst] over layers and directions
+        out["bits"][int(b)] = {
+            "bytes": int(pairs.sum()),
+            "alltoall_bytes": int(pairs[same_row_group].sum()),
+            "halo_bytes": int(pairs[~same_row_group].sum()),
+            "max_rank_bytes": int(pairs.sum(axis=1).max()),
+        }
+        out["_runtime"][int(b)] = rt
+    return out

@@ -50,6 +50,7 @@ class TrainConfig:
     timeout: float = 300.0
     comm_bits: int = 32
     pipeline_stages: int = 1
+    groups: int = 1
     norm: str = "none"
     label_prop: float = 0.0
     reorder: str = "auto"
@@ -78,8 +79,8 @@ class TrainConfig:
                 f"--feature-norm must be auto, row or none, got {self.feature_norm!r}",
             ),
             (
-                self.strategy in ("partition", "tensor"),
-                f"--strategy must be partition or tensor, got {self.strategy!r}",
+                self.strategy in ("partition", "tensor", "hybrid"),
+                f"--strategy must be partition, tensor or hybrid, got {self.strategy!r}",
             ),
             (
                 self.remote_agg in ("post", "pre", "prepost"),
@@ -104,6 +105,10 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        if self.strategy == "hybrid" and self.nprocs > 1:
+            from tessera.parallel.hybrid import check_groups
+
+            check_groups(self.nprocs, self.groups)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,6 +132,7 @@ INT_RANGES: dict[str, tuple[int, int, str]] = {
     "pipeline_stages": (1, 1024, ""),
     "num_bases": (1, 4096, ""),
     "num_blocks": (1, 4096, ""),
+    "groups": (1, 1024, ""),
 }
 
 

@@ -138,7 +138,9 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
         num_blocks=cfg.num_blocks,
     )
     specs = model.describe()
-    options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages)
+    options = StrategyOptions(
+        cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages, cfg.groups
+    )
     strategy = make_strategy(cfg.strategy if distributed else "single", comm, options)
     strategy.check(specs)
     if distributed and cfg.reorder not in ("auto", "none") and comm.rank == 0:
