@@ -67,8 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")
     t.add_argument(
         "--strategy",
-        help="partition | tensor: how --nprocs ranks split a layer (halo exchange, or MixGCN's feature split; "
-        "default partition)",
+        help="auto | partition | tensor, or one entry per layer (e.g. tensor,partition:post:8; an entry may end "
+        "in @aggregate-first or @transform-first): how --nprocs ranks split each layer (halo exchange, or "
+        "MixGCN's feature split); auto plans per layer from modelled and measured costs (default auto)",
     )
     t.add_argument(
         "--pipeline-stages",
