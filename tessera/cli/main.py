@@ -1,4 +1,4 @@
-"""The ``tessera`` command: ``train``, ``info``, ``partition``, ``simulate`` and ``kernels``."""
+"""The ``tessera`` command: ``train``, ``info``, ``partition``, ``simulate``, ``plan`` and ``kernels``."""
 
 from __future__ import annotations
 
@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     from tessera.cli.kernels import add_parser as add_kernels
 
     add_kernels(sub)
+    from tessera.cli.plan import add_parser as add_plan
+
+    add_plan(sub)
     return parser
 
 
@@ -214,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if args.command is None:
         print(
-            "tessera: error: no command given; choose train, info, partition, simulate or kernels (see tessera --help)",
+            "tessera: error: no command given; choose train, info, partition, simulate, plan or kernels (see tessera --help)",
             file=sys.stderr,
         )
         return 2
@@ -227,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tessera.cli.simulate import run as run_simulate
 
             return run_simulate(args)
+        if args.command == "plan":
+            from tessera.cli.plan import run as run_plan
+
+            return run_plan(args, argv)
         if args.command == "kernels":
             from tessera.cli.kernels import run as run_kernels
 

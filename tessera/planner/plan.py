@@ -112,6 +112,36 @@ def model_layers(ctx: Context, probe: LayerProbe) -> list[list[dict[str, Any]]]:
     return out
 
 
+def modelled_layers(
+    ctx: Context, probe: LayerProbe, factor: float = PRUNE_FACTOR, measure: bool = True
+) -> tuple[list[dict[str, Any]], list[list[str]]]:
+    """Per layer, every candidate as JSON (modelled terms, whether it survived pruning) and the
+    labels of the survivors (within ``factor`` of the best; only the best when not measuring);
+    each layer's ``choice`` is its modelled best until measured."""
+    layers, survivors = [], []
+    for i, cands in enumerate(model_layers(ctx, probe)):
+        keep = {c["label"] for c in (prune(cands, factor) if measure else cands[:1])}
+        rows = [_public(c) for c in cands]
+        for r in rows:
+            r["survived"] = r["label"] in keep
+        layers.append({"layer": i, "choice": rows[0]["label"], "candidates": rows})
+        survivors.append([r["label"] for r in rows if r["survived"]])
+    return layers, survivors
+
+
+def model_plan(ctx: Context, probe: LayerProbe) -> dict[str, Any]:
+    """The plan from the model alone, without processes (``tessera plan --model-only``, the
+    simulator): each layer's modelled best."""
+    layers, _ = modelled_layers(ctx, probe, measure=False)
+    return {
+        "choices": [la["choice"] for la in layers],
+        "layers": layers,
+        "rates": ctx.rates.to_dict(),
+        "world": ctx.world,
+        "source": "model",
+    }
+
+
 def _public(c: dict[str, Any]) -> dict[str, Any]:
     """A candidate as JSON: its label, kind, width and times in milliseconds."""
     return {
@@ -183,14 +213,9 @@ def plan_layers(
     layers: list[dict[str, Any]] = []
     survivors: list[list[str]] = []
     if comm.rank == 0:
-        ctx = Context(graph, comm.world, part, options, rates, bits)
-        for i, cands in enumerate(model_layers(ctx, probe)):
-            keep = prune(cands, factor) if measure else cands[:1]
-            rows = [_public(c) for c in cands]
-            for r in rows:
-                r["survived"] = any(k["label"] == r["label"] for k in keep)
-            layers.append({"layer": i, "candidates": rows})
-            survivors.append([c["label"] for c in keep])
+        layers, survivors = modelled_layers(
+            Context(graph, comm.world, part, options, rates, bits), probe, factor, measure
+        )
     layers, survivors = broadcast_json(comm, [layers, survivors])
     for i, labels in enumerate(survivors):
         if measure and len(labels) > 1:
@@ -205,6 +230,7 @@ def plan_layers(
         "choices": [la["choice"] for la in layers],
         "layers": layers,
         "rates": rates.to_dict(),
+        "world": comm.world,
         "factor": factor,
         "measured": measure,
     }
