@@ -35,6 +35,7 @@ def _accuracy_runs(comm, out_dir):
     for name, kw in ACCURACY_CONFIGS.items():
         for seed in range(3):
             cfg = TrainConfig(
+                strategy="partition",
                 dataset="cora",
                 hidden=16,
                 dropout=0.5,
@@ -91,6 +92,7 @@ def _measured_bytes(comm, out_dir):
         for mode in MODES:
             for bits in BITS:
                 cfg = TrainConfig(
+                    strategy="partition",
                     dataset=ds,
                     hidden=16,
                     epochs=1,

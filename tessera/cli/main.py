@@ -1,4 +1,4 @@
-"""The ``tessera`` command: ``train``, ``info``, ``partition``, ``simulate`` and ``kernels``."""
+"""The ``tessera`` command: ``train``, ``info``, ``partition``, ``simulate``, ``plan`` and ``kernels``."""
 
 from __future__ import annotations
 
@@ -69,8 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--nprocs", type=int, help="train on N local worker processes (partition parallelism; default 1)")
     t.add_argument(
         "--strategy",
-        help="partition | tensor | hybrid: how --nprocs ranks split a layer (halo exchange, MixGCN's feature "
-        "split, or --groups column slices of halo-exchanging parts; default partition)",
+        help="auto | partition | tensor | hybrid, or one entry per layer (e.g. tensor,partition:post:8 or "
+        "hybrid:2:prepost; an entry may end in @aggregate-first or @transform-first): how --nprocs ranks split each "
+        "layer (halo exchange, MixGCN's feature split, or --groups column slices of halo-exchanging parts); auto "
+        "plans per layer from modelled and measured costs (default auto)",
     )
     t.add_argument(
         "--groups",
@@ -119,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     from tessera.cli.kernels import add_parser as add_kernels
 
     add_kernels(sub)
+    from tessera.cli.plan import add_parser as add_plan
+
+    add_plan(sub)
     return parser
 
 
@@ -230,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if args.command is None:
         print(
-            "tessera: error: no command given; choose train, info, partition, simulate or kernels (see tessera --help)",
+            "tessera: error: no command given; choose train, info, partition, simulate, plan or kernels (see tessera --help)",
             file=sys.stderr,
         )
         return 2
@@ -243,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tessera.cli.simulate import run as run_simulate
 
             return run_simulate(args)
+        if args.command == "plan":
+            from tessera.cli.plan import run as run_plan
+
+            return run_plan(args, argv)
         if args.command == "kernels":
             from tessera.cli.kernels import run as run_kernels
 

@@ -108,6 +108,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--method", default="metis", help="metis | range | random (default metis)")
     s.add_argument("--seed", type=int, default=0, help="partition seed, as train --seed (default 0)")
     s.add_argument("--table-layer", type=int, default=0, help="layer of the Table-5-style comparison (default 0)")
+    s.add_argument(
+        "--plan",
+        action="store_true",
+        help="add the planner's modelled choice per layer and P (tessera plan --model-only, at this link model "
+        "and compute rates timed here)",
+    )
     s.add_argument("--plot", help="write a PNG of volume and projected time versus P here")
     s.add_argument("--json", action="store_true", help="print only JSON to stdout")
     return s
@@ -204,12 +210,16 @@ def run(args: argparse.Namespace) -> int:
             for k in groups.get(p, [])
             for mode in modes
         ]
+    if args.plan:
+        for r, plan in zip(runs, modelled_plans(g, runs, args, m, int(out_dim))):
+            r["plan"] = plan
     plot = str(write_plot(runs, args.plot)) if args.plot else None
     if args.json:
         doc = json.loads(to_json(runs, m, plot, args.table_layer))
         for out, r in zip(doc["runs"], runs):
-            if "tensor" in r:
-                out["tensor"] = {k: v for k, v in r["tensor"].items() if not k.startswith("_")}
+            for extra in ("tensor", "plan"):
+                if extra in r:
+                    out[extra] = {k: v for k, v in r[extra].items() if not k.startswith("_")}
             if r["hybrid"]:
                 out["hybrid"] = [{k: v for k, v in h.items() if not k.startswith("_")} for h in r["hybrid"]]
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
@@ -235,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
     if "hybrid" in strategies:
         print()
         print(format_hybrid_table(runs))
+    if args.plan:
+        print()
+        print(format_plan_sweep(runs))
     print()
     print(f"load {load_s:.2f} s")
     for r in runs:
@@ -321,6 +334,56 @@ def format_hybrid_table(runs: list[dict[str, Any]]) -> str:
                     f"{v['max_rank_bytes'] / 1e6:>11.3f} "
                     + (f"{pb / 1e6:>13.3f} {v['bytes'] / pb:>16.2f}x" if pb else f"{'-':>13} {'-':>17}")
                 )
+
+
+def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, out_dim: int) -> list[dict[str, Any]]:
+    """The planner's modelled plan for each run's P (compute rates timed once, here, on the
+    smallest P's share of the graph; the link from ``m``), over the runs' own pair rows."""
+    from tessera.graph.partition import partition
+    from tessera.graph.partition.halo import MODES
+    from tessera.nn import build_model
+    from tessera.parallel.base import StrategyOptions
+    from tessera.planner.calibrate import local_rates
+    from tessera.planner.candidates import Context
+    from tessera.planner.plan import model_plan
+    from tessera.train.config import TrainConfig
+    from tessera.train.planning import model_probe
+
+    cfg = TrainConfig(
+        model=args.model, hidden=args.hidden, layers=args.layers, norm=args.norm, label_prop=args.label_prop
+    )
+    label_classes = out_dim if args.label_prop > 0 else 0
+    model = build_model(
+        args.model, g.num_features, args.hidden, out_dim, args.layers, norm=args.norm, label_classes=label_classes
+    )
+    probe = model_probe(model, cfg)
+    options = StrategyOptions(partition=args.method, seed=args.seed, pipeline_stages=args.pipeline_stages)
+    rates = local_rates(g, min(r["vol"]["parts"] for r in runs), m)
+    plans = []
+    for r in runs:
+        p = r["vol"]["parts"]
+        ctx = Context(g, p, partition(g, p, args.method, args.seed), options, rates)
+        if set(MODES) <= set(r["vol"]["_rows"]):
+            ctx._memo["rows"] = r["vol"]["_rows"]
+        plans.append(model_plan(ctx, probe))
+    return plans
+
+
+def format_plan_sweep(runs: list[dict[str, Any]]) -> str:
+    """Per P, each layer's modelled choice and time, and the modelled step time of every layer's
+    best candidate of each kind beside it."""
+    lines = ["planner, modelled (ms per training step of each layer; * the choice):"]
+    for r in runs:
+        plan = r["plan"]
+        for la in plan["layers"]:
+            best: dict[str, dict] = {}
+            for c in la["candidates"]:
+                best.setdefault(c["kind"], c)
+            others = "  ".join(f"{k} {c['modelled_ms']:.2f}" for k, c in best.items())
+            top = la["candidates"][0]
+            lines.append(
+                f"P={plan['world']:>6} layer {la['layer']}: *{top['label']:<40} {top['modelled_ms']:>10.2f}   ({others})"
+            )
     return "\n".join(lines)
 
 

@@ -57,6 +57,18 @@ class CommModel:
         return asdict(self)
 
 
+def sender_time(
+    data: np.ndarray, params: np.ndarray, values: np.ndarray, data_sent: np.ndarray, bits: int, m: CommModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """Eq. 2 and Eq. 4 per sender of one exchange whose ``[i, j]`` block holds ``data`` and
+    ``params`` bytes: (sum over peers of ``B_ij / BW + L``, quantize + dequantize streaming of
+    its ``values`` fp32 values read and ``data_sent`` bytes written, b < 32)."""
+    bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
+    comm = (data + params).sum(axis=1) / bw + np.count_nonzero(data + params, axis=1) * lat
+    quant = 2 * (4 * values + data_sent) / th if bits < 32 else np.zeros(comm.shape)
+    return comm, quant
+
+
 def exchange_time(
     rows: np.ndarray,
     width: int,
@@ -67,11 +79,11 @@ def exchange_time(
 ) -> dict[str, Any]:
     """Eq. 6 for one exchange (sender x receiver ``rows``): the slowest rank's time and its parts;
     ``owned`` and ``norm_width`` add Eq. 3's LayerNorm term."""
-    data, params = block_bytes(np.asarray(rows), width, bits)
-    bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
+    rows = np.asarray(rows)
+    data, params = block_bytes(rows, width, bits)
     sent = rows.sum(axis=1)
-    comm = (data + params).sum(axis=1) / bw + np.count_nonzero(rows, axis=1) * lat
-    quant = 2 * sent * (4 * width + data_bytes(width, bits)) / th if bits < 32 else np.zeros(sent.shape)
+    comm, quant = sender_time(data, params, sent * width, sent * data_bytes(width, bits), bits, m)
+    th = m.quant_gbps * 1e9
     pre = owned * norm_width * 4 / th if owned is not None and norm_width else np.zeros(sent.shape)
     total = pre + comm + quant
     i = int(np.argmax(total)) if total.size else 0

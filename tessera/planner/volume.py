@@ -242,23 +242,33 @@ def runtime_bytes(vol: dict[str, Any], mode: str, bits: int) -> dict[str, list]:
 
 
 # ---------------------------------------------------------------------------------------- tensor
-def tensor_pair_bytes(counts, width: int, bits: int, stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(data, parameter) bytes per ordered pair ``[src, dst]`` of one ``--strategy tensor``
-    aggregation at ``width`` (its all-to-all into the feature split and, per pipeline stage, back):
-    every block of :func:`~tessera.parallel.tensor.exchange_blocks` as the wire sends it. The
-    diagonal stays on the rank."""
+def tensor_exchanges(counts, width: int, bits: int, stages: int = 1) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per all-to-all of one ``--strategy tensor`` aggregation at ``width`` (into the feature split
+    and, per pipeline stage, back; :func:`~tessera.parallel.tensor.exchange_blocks`): (data bytes,
+    parameter bytes, values) per ordered pair ``[src, dst]`` as the wire sends them. The diagonal
+    stays on the rank."""
     from tessera.parallel.tensor import exchange_blocks
 
     n = len(counts)
-    data, params = np.zeros((n, n), dtype=np.int64), np.zeros((n, n), dtype=np.int64)
+    out = []
     for rows, widths in exchange_blocks(counts, width, stages):
+        data, params = np.zeros((n, n), dtype=np.int64), np.zeros((n, n), dtype=np.int64)
         for w in np.unique(widths):
             d, p = block_bytes(np.where(widths == w, rows, 0), int(w), bits)
             data += d
             params += p
-    np.fill_diagonal(data, 0)
-    np.fill_diagonal(params, 0)
-    return data, params
+        values = rows * widths
+        for m in (data, params, values):
+            np.fill_diagonal(m, 0)
+        out.append((data, params, values))
+    return out
+
+
+def tensor_pair_bytes(counts, width: int, bits: int, stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(data, parameter) bytes per ordered pair ``[src, dst]`` of one ``--strategy tensor``
+    aggregation at ``width``: the sum of its :func:`tensor_exchanges`."""
+    ex = tensor_exchanges(counts, width, bits, stages)
+    return sum(d for d, _, _ in ex), sum(p for _, p, _ in ex)
 
 
 def term_pair_bytes(counts, terms: int) -> list[np.ndarray]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import ConfigError
+from tessera.parallel.mixed import parse_strategy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,7 +44,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     progress: bool = True
     nprocs: int = 1
-    strategy: str = "partition"
+    strategy: str = "auto"
     remote_agg: str = "prepost"
     partition: str = "metis"
     parts_dir: str | None = None
@@ -79,10 +80,6 @@ class TrainConfig:
                 f"--feature-norm must be auto, row or none, got {self.feature_norm!r}",
             ),
             (
-                self.strategy in ("partition", "tensor", "hybrid"),
-                f"--strategy must be partition, tensor or hybrid, got {self.strategy!r}",
-            ),
-            (
                 self.remote_agg in ("post", "pre", "prepost"),
                 f"--remote-agg must be post, pre or prepost, got {self.remote_agg!r}",
             ),
@@ -105,6 +102,7 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        parse_strategy(self.strategy, self.layers)  # auto, one entry, or one per layer
         if self.strategy == "hybrid" and self.nprocs > 1:
             from tessera.parallel.hybrid import check_groups
 

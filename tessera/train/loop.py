@@ -88,7 +88,7 @@ class Trainer:
         self.idx = {k: m.nonzero().view(-1) for k, m in shard.masks.items()}
         self.info = (shard.name, shard.num_nodes, shard.num_edges)
         self._fingerprint = shard.fingerprint
-        self.strategy, self.log = run.strategy, run.strategy.log
+        self.strategy, self.log, self.plan = run.strategy, run.strategy.log, run.plan
         self.comm_totals: dict[str, Any] = {}
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
@@ -339,6 +339,8 @@ class Trainer:
         result["world_size"] = self.comm.world
         if self.comm_totals:
             result["comm"] = self.comm_totals
+        if self.plan is not None:
+            result["plan"] = self.plan
         write_json(self.out / RESULT, result)
         if self.cfg.plot:
             from tessera.train.plot import plot_curves

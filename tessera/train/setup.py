@@ -22,8 +22,10 @@ from tessera.nn import build_model
 from tessera.nn.models import GNN
 from tessera.parallel import Shard, Strategy, StrategyOptions, make_strategy
 from tessera.parallel.base import SPLITS
+from tessera.parallel.mixed import make_layer_strategy
 from tessera.sparse import Operand
 from tessera.train.config import TrainConfig
+from tessera.train.planning import layer_choices
 
 
 def prepare_features(x: torch.Tensor, mode: str, non_negative: bool | None = None) -> torch.Tensor:
@@ -50,6 +52,7 @@ class Setup:
     operands: list[Operand]
     order: VertexOrder | None
     counts: dict[str, int]  # global split sizes
+    plan: dict[str, Any] | None = None  # the planner's record under --strategy auto
 
 
 def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
@@ -137,11 +140,18 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
         num_bases=cfg.num_bases,
         num_blocks=cfg.num_blocks,
     )
-    specs = model.describe()
     options = StrategyOptions(
         cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages, cfg.groups
     )
-    strategy = make_strategy(cfg.strategy if distributed else "single", comm, options)
+    plan = None
+    if distributed:
+        choices, plan, pool = layer_choices(cfg, model, source, comm, options)
+        for conv, choice in zip(model.convs, choices):
+            conv.place(choice.aggregate_first)
+        strategy = make_layer_strategy(comm, options, choices, pool)
+    else:
+        strategy = make_strategy("single", comm, options)
+    specs = model.describe()
     strategy.check(specs)
     if distributed and cfg.reorder not in ("auto", "none") and comm.rank == 0:
         warnings.warn(f"--reorder {cfg.reorder} is ignored in distributed runs", RuntimeWarning, stacklevel=3)
@@ -162,4 +172,5 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
     total = comm.all_reduce_sum(local)
     x = prepare_features(shard.x, cfg.feature_norm, non_negative=bool(total[3] == 0))
     operands = [strategy.operand(spec, i) for i, spec in enumerate(specs)]
-    return Setup(shard, x, model, strategy, operands, order, {k: int(total[i]) for i, k in enumerate(SPLITS)})
+    counts = {k: int(total[i]) for i, k in enumerate(SPLITS)}
+    return Setup(shard, x, model, strategy, operands, order, counts, plan)

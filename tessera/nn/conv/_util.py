@@ -52,15 +52,17 @@ def linear_then_aggregate(
     lin: torch.nn.Linear,
     reduce: str = "sum",
     hints: LayerHints | None = None,
+    aggregate_first: bool | None = None,
     constant: tuple[InputAggregate, object] | None = None,
 ) -> torch.Tensor:
-    """``A (x W^T)`` or ``(A x) W^T``, whichever aggregates the narrower matrix (same result;
-    WiseGraph's indexing swap). ``lin`` must have no bias; callers add it after aggregation.
-    Of the S-SpMM ``hints``, the side that aggregates uses its own (see :class:`LayerHints`).
-    ``constant`` (the layer's memo and the graph operand it was called with): with
-    ``hints.constant_input``, ``A x`` is computed once."""
+    """``A (x W^T)`` or ``(A x) W^T``, whichever aggregates the narrower matrix unless
+    ``aggregate_first`` fixes the order (same result; WiseGraph's indexing swap and operation
+    placement). ``lin`` must have no bias; callers add it after aggregation. Of the S-SpMM
+    ``hints``, the side that aggregates uses its own (see :class:`LayerHints`). ``constant`` (the
+    layer's memo and the graph operand it was called with): with ``hints.constant_input``, ``A x``
+    is computed once."""
     hints = hints or LayerHints()
-    if aggregates_output(lin):
+    if aggregates_output(lin, aggregate_first):
         xw = lin(x)
         if hints.output_mask is not None:
             return sparse.masked_aggregate(a, xw, hints.output_mask, reduce)
@@ -71,14 +73,15 @@ def linear_then_aggregate(
     return lin(sparse.aggregate(a, x, reduce, grad_mask=hints.input_grad_mask))
 
 
-def aggregates_output(lin: torch.nn.Linear) -> bool:
-    """Whether :func:`linear_then_aggregate` aggregates after the linear map (the output is narrower)."""
-    return lin.out_features <= lin.in_features
+def aggregates_output(lin: torch.nn.Linear, aggregate_first: bool | None = None) -> bool:
+    """Whether :func:`linear_then_aggregate` aggregates after the linear map: when the output is
+    narrower, unless ``aggregate_first`` fixes the order."""
+    return lin.out_features <= lin.in_features if aggregate_first is None else not aggregate_first
 
 
-def linear_spec(lin: torch.nn.Linear) -> LayerSpec:
+def linear_spec(lin: torch.nn.Linear, aggregate_first: bool | None = None) -> LayerSpec:
     """The :class:`LayerSpec` of a layer built on :func:`linear_then_aggregate`."""
-    last = aggregates_output(lin)
+    last = aggregates_output(lin, aggregate_first)
     return LayerSpec(
         lin.in_features, lin.out_features, lin.out_features if last else lin.in_features, aggregates_first=not last
     )

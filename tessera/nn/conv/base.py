@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tessera.errors import ConfigError
 from tessera.sparse import GraphOperand, LayerSpec
 
 
@@ -33,6 +34,10 @@ class LayerHints:
 class GraphConv(nn.Module):
     """A graph layer: ``forward(x, graph)`` with ``graph`` a :data:`~tessera.sparse.GraphOperand`."""
 
+    #: WiseGraph's operation placement (§5.4): None lets the layer pick the side of its dense
+    #: transform it aggregates on (the narrower); True / False fix aggregation before / after it.
+    aggregate_first: bool | None = None
+
     @abstractmethod
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """The layer's output for node features ``x`` aggregated over ``graph``."""
@@ -40,6 +45,20 @@ class GraphConv(nn.Module):
     @abstractmethod
     def describe(self) -> LayerSpec:
         """This layer's widths (input, output, aggregated) and whether it aggregates first."""
+
+    def placements(self) -> tuple[bool, ...]:
+        """The ``aggregate_first`` orders this layer can run in; most layers have only their own."""
+        return (self.describe().aggregates_first,)
+
+    def place(self, aggregate_first: bool | None) -> None:
+        """Fix the operation placement (None: the layer's own rule), one of :meth:`placements`."""
+        if aggregate_first is not None and aggregate_first not in self.placements():
+            side = "before" if aggregate_first else "after"
+            raise ConfigError(
+                f"{type(self).__name__} cannot aggregate {side} its dense transform; "
+                "drop the @aggregate-first/@transform-first suffix for this layer"
+            )
+        self.aggregate_first = aggregate_first
 
     def s_spmm_sides(self) -> tuple[bool, bool]:
         """Which S-SpMM field of :class:`LayerHints` ``forward`` uses: (``input_grad_mask``, ``output_mask``)."""

@@ -52,14 +52,17 @@ class GCNConv(GraphConv):
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend)
         a = a.gcn_normalized(self.add_self_loops, self.improved) if self.normalize else a.weighted()
-        out = linear_then_aggregate(a, x, self.lin, "sum", hints, (self._input_aggregate, graph))
+        out = linear_then_aggregate(a, x, self.lin, "sum", hints, self.aggregate_first, (self._input_aggregate, graph))
         return out if self.bias is None else out + self.bias
 
     def describe(self) -> LayerSpec:
-        return linear_spec(self.lin)
+        return linear_spec(self.lin, self.aggregate_first)
+
+    def placements(self) -> tuple[bool, ...]:
+        return (True, False)
 
     def s_spmm_sides(self) -> tuple[bool, bool]:
-        last = aggregates_output(self.lin)
+        last = aggregates_output(self.lin, self.aggregate_first)
         return not last, last
 
     def extra_repr(self) -> str:

@@ -42,7 +42,9 @@ class SAGEConv(GraphConv):
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend).pattern()
-        out = linear_then_aggregate(a, x, _WeightOnly(self.lin_l), self.aggr, hints, (self._input_aggregate, graph))
+        out = linear_then_aggregate(
+            a, x, _WeightOnly(self.lin_l), self.aggr, hints, self.aggregate_first, (self._input_aggregate, graph)
+        )
         if self.lin_l.bias is not None:
             out = out + self.lin_l.bias
         if self.lin_r is not None:
@@ -52,11 +54,14 @@ class SAGEConv(GraphConv):
         return out
 
     def describe(self) -> LayerSpec:
-        return linear_spec(self.lin_l)
+        return linear_spec(self.lin_l, self.aggregate_first)
+
+    def placements(self) -> tuple[bool, ...]:
+        return (True, False)
 
     def s_spmm_sides(self) -> tuple[bool, bool]:
         """No output mask after ``normalize``, which mixes a row's entries."""
-        last = aggregates_output(self.lin_l)
+        last = aggregates_output(self.lin_l, self.aggregate_first)
         return not last, last and not self.normalize
 
     def extra_repr(self) -> str:

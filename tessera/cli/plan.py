@@ -1,0 +1,175 @@
+"""The ``tessera plan`` subcommand: each layer's candidate strategies on P ranks, modelled and
+measured, and the planner's choice (what ``--strategy auto`` trains with)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from tessera.errors import ConfigError
+
+DESCRIPTION = """\
+Plan a model's layers for P ranks as `tessera train --strategy auto` does: model every candidate
+(partition post/pre/prepost at each --comm-bits, tensor; each in every operation placement the layer
+can run) from FLOPs at measured rates plus SuperGCN's communication model over the exact blocks, keep
+those within --prune of each layer's modelled best, measure a few forward + backward steps of each on
+P local processes, and print both times and the choice. --model-only skips the processes (the link
+constants then come from --bandwidth-gbps / --latency-us)."""
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``plan`` on an ``add_subparsers()`` object; returns its parser."""
+    from tessera.planner.model import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US
+    from tessera.planner.plan import PRUNE_FACTOR
+
+    s = subparsers.add_parser(
+        "plan",
+        help="each layer's candidate strategies for P ranks, modelled and measured, and the choice",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("--dataset", help="cora | citeseer | ogbn-* | a path | synthetic:<preset> (default synthetic:small)")
+    s.add_argument("--name", help="which dataset, when a directory holds several (e.g. cora)")
+    s.add_argument("--nprocs", type=int, required=True, help="number of ranks P to plan for")
+    s.add_argument("--model", default="gcn", help="gcn | sage | gin (default gcn)")
+    s.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
+    s.add_argument("--layers", type=int, default=2, help="number of graph layers (default 2)")
+    s.add_argument("--norm", default="none", help="none | layer, as train --norm (default none)")
+    s.add_argument("--label-prop", type=float, default=0.0, help="as train --label-prop (default 0)")
+    s.add_argument(
+        "--comm-bits", default="32", help="exchange widths to consider, comma list from 32,8,4,2 (default 32)"
+    )
+    s.add_argument("--pipeline-stages", type=int, default=1, help="tensor strategy's stages (default 1)")
+    s.add_argument("--partition", default="metis", help="metis | range | random (default metis)")
+    s.add_argument("--seed", type=int, default=0, help="partition seed, as train --seed (default 0)")
+    s.add_argument("--backend", default="auto", help="aggregation backend (default auto)")
+    s.add_argument("--threads", type=int, help="CPU threads per rank (default: the cores / P)")
+    s.add_argument(
+        "--prune",
+        type=float,
+        default=PRUNE_FACTOR,
+        help=f"measure candidates modelled within this factor of the best (default {PRUNE_FACTOR})",
+    )
+    s.add_argument("--measure-all", action="store_true", help="measure every candidate (no pruning)")
+    s.add_argument("--model-only", action="store_true", help="decide from the model alone, without starting processes")
+    s.add_argument("--no-cache", action="store_true", help="plan afresh, neither reading nor writing the plan cache")
+    s.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=DEFAULT_BANDWIDTH_GBPS,
+        help="--model-only link bandwidth per rank (GB/s)",
+    )
+    s.add_argument("--latency-us", type=float, default=DEFAULT_LATENCY_US, help="--model-only latency per message (us)")
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits on its peers (default 300)")
+    s.add_argument("--json", action="store_true", help="print the plan record as JSON")
+    return s
+
+
+def _settings(args: argparse.Namespace):
+    """The run the plan is for, as a TrainConfig (validated like `train`'s), and the bit widths."""
+    from tessera.cli.simulate import _bits
+    from tessera.train.config import TrainConfig
+
+    cfg = TrainConfig(
+        dataset=args.dataset or "synthetic:small",
+        name=args.name,
+        model=args.model,
+        hidden=args.hidden,
+        layers=args.layers,
+        norm=args.norm,
+        label_prop=args.label_prop,
+        nprocs=args.nprocs,
+        partition=args.partition,
+        seed=args.seed,
+        backend=args.backend,
+        threads=args.threads,
+        timeout=args.timeout,
+        pipeline_stages=args.pipeline_stages,
+    )
+    bits = _bits(args.comm_bits)
+    cfg.comm_bits = bits[0]
+    cfg.validate()
+    if not args.prune >= 1:
+        raise ConfigError(f"--prune must be a factor of at least 1, got {args.prune}")
+    return cfg, bits
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    """Plan (on ``--nprocs`` processes unless ``--model-only``), print the table; returns 0."""
+    from tessera.comm.group import env_world_size
+
+    cfg, bits = _settings(args)
+    if not args.model_only and cfg.nprocs > 1 and env_world_size() <= 1:
+        from tessera.cli.launch import launch
+
+        return launch(argv, cfg.nprocs)
+    from tessera.datasets import load
+    from tessera.nn import build_model
+    from tessera.parallel.base import StrategyOptions
+    from tessera.threads import set_num_threads
+    from tessera.train.planning import model_probe
+
+    if cfg.threads:
+        set_num_threads(cfg.threads)
+    t0 = time.perf_counter()
+    g = load(cfg.dataset, name=cfg.name)
+    g.require("x", "y")
+    model = build_model(
+        cfg.model, g.num_features, cfg.hidden, int(g.num_classes), cfg.layers, heads=cfg.heads, norm=cfg.norm,
+        label_classes=int(g.num_classes) if cfg.label_prop > 0 else 0,
+    )  # fmt: skip
+    if any(s.edge_values for s in model.describe()):
+        raise ConfigError(f"--model {cfg.model} runs under partition parallelism only; there is nothing to plan")
+    options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages)
+    probe = model_probe(model, cfg)
+    factor = float("inf") if args.measure_all else args.prune
+    if args.model_only or cfg.nprocs == 1:
+        rec = _model_only(g, cfg, options, probe, bits, args)
+    else:
+        rec = _measured(g, cfg, options, probe, bits, factor, args)
+        if not rec:
+            return 0  # a non-zero rank: rank 0 prints
+    rec["total_s"] = time.perf_counter() - t0
+    if args.json:
+        sys.stdout.write(json.dumps({k: v for k, v in rec.items() if k != "key"}, indent=1) + "\n")
+    else:
+        from tessera.planner.report import format_plan
+
+        print(
+            format_plan(
+                rec, f"{cfg.model} {g.num_features}->{cfg.hidden}x{cfg.layers - 1}->{g.num_classes} on {g.name}"
+            )
+        )
+    return 0
+
+
+def _model_only(g, cfg, options, probe, bits, args) -> dict[str, Any]:
+    from tessera.graph.partition import partition
+    from tessera.planner.calibrate import local_rates
+    from tessera.planner.candidates import Context
+    from tessera.planner.model import CommModel
+    from tessera.planner.plan import model_plan
+
+    t0 = time.perf_counter()
+    rates = local_rates(g, cfg.nprocs, CommModel(args.bandwidth_gbps, args.latency_us), cfg.backend)
+    part = partition(g, cfg.nprocs, cfg.partition, cfg.seed)
+    rec = model_plan(Context(g, cfg.nprocs, part, options, rates, bits), probe)
+    rec["planning_s"] = time.perf_counter() - t0
+    return rec
+
+
+def _measured(g, cfg, options, probe, bits, factor, args) -> dict[str, Any]:
+    from tessera.comm.group import init_from_env, shutdown
+    from tessera.planner.plan import plan_layers
+
+    comm = init_from_env(cfg.timeout)
+    try:
+        rec, _ = plan_layers(comm, g, options, probe, bits, factor, use_cache=not args.no_cache)
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown(clean=True)
+    return rec if comm.rank == 0 else {}

@@ -1,0 +1,129 @@
+"""The machine constants the planner's cost model runs on, measured where the job runs.
+
+Every rank measures at once, as they compute during training (sharing the cores), and each
+constant is the slowest rank's: the aggregation cost per edge and per edge-value (two widths
+on this rank's share of the graph's rows), the dense transform's FLOP rate, and the latency and
+bandwidth of an ``all_to_all`` among the ranks (SuperGCN Eq. 2's ``L`` and ``BW``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from tessera.backends import local_operand
+from tessera.comm.group import Comm
+from tessera.graph import Graph
+from tessera.graph.csr import CSRMatrix
+from tessera.planner.model import DEFAULT_QUANT_GBPS, CommModel
+
+_WIDTHS = (8, 64)
+_REPS = 3
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Seconds per aggregated edge and per edge-value, dense FLOP/s, and the link model."""
+
+    edge_s: float
+    value_s: float
+    gemm_flops: float
+    bandwidth_gbps: float
+    latency_us: float
+
+    def comm(self) -> CommModel:
+        """SuperGCN's model with this link."""
+        return CommModel(self.bandwidth_gbps, self.latency_us, DEFAULT_QUANT_GBPS)
+
+    def aggregate_s(self, edges: float, width: int) -> float:
+        """Seconds to aggregate ``edges`` edges at ``width``."""
+        return edges * (self.edge_s + self.value_s * width)
+
+    def to_dict(self) -> dict[str, float]:
+        """The constants as a plain dict."""
+        return asdict(self)
+
+
+def _best(fn: Callable[[], object], comm: Comm | None = None) -> float:
+    """Least of a few timed calls after one warm-up; with ``comm``, the slowest rank's."""
+    fn()
+    times = []
+    for _ in range(_REPS):
+        if comm is not None:
+            comm.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([min(times)], dtype=torch.float64)
+    if comm is not None and comm.world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _rows_block(graph: Graph, world: int, rank: int) -> CSRMatrix:
+    """Rank ``rank``'s ``1 / world`` of the graph's rows (by position), all its columns."""
+    n = graph.num_nodes
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    indptr = graph.indptr.numpy()
+    sub = indptr[lo : hi + 1] - indptr[lo]
+    return CSRMatrix.from_numpy(sub, graph.indices.numpy()[indptr[lo] : indptr[hi]], None, hi - lo, n)
+
+
+def measure_compute(
+    graph: Graph, rank: int, world: int, backend: str = "auto", comm: Comm | None = None
+) -> tuple[float, float, float]:
+    """``(edge_s, value_s, gemm_flops)`` from products on rank ``rank``'s share of ``graph`` (the
+    slowest rank's, all ranks of ``comm`` measuring at once)."""
+    gen = torch.Generator().manual_seed(rank)
+    block = _rows_block(graph, world, rank)
+    op = local_operand(block, backend)
+    edges = max(block.num_edges, 1)
+    t = {}
+    for w in _WIDTHS:
+        x = torch.rand(graph.num_nodes, w, generator=gen)
+        t[w] = _best(lambda x=x: op.spmm(x), comm) / edges
+    value_s = max((t[_WIDTHS[1]] - t[_WIDTHS[0]]) / (_WIDTHS[1] - _WIDTHS[0]), 1e-13)
+    edge_s = max(t[_WIDTHS[0]] - value_s * _WIDTHS[0], 0.0)
+    rows = max(block.num_rows, 256)
+    a, b = torch.rand(rows, 128, generator=gen), torch.rand(128, 128, generator=gen)
+    gemm = 2.0 * rows * 128 * 128 / _best(lambda: a @ b, comm)
+    return edge_s, value_s, gemm
+
+
+def measure_link(comm: Comm, values: int = 1 << 20) -> tuple[float, float]:
+    """``(bandwidth GB/s, latency us)`` of an ``all_to_all`` among the ranks: a one-value message
+    per peer gives the latency, ``values`` fp32 values per peer the bandwidth."""
+    p = comm.world
+    if p == 1:
+        return float("inf"), 0.0
+
+    def a2a(n: int) -> Callable[[], None]:
+        src, dst = torch.ones(n * p), torch.empty(n * p)
+        return lambda: dist.all_to_all_single(dst, src)
+
+    small = _best(a2a(1), comm)
+    large = _best(a2a(values), comm)
+    latency = small / (p - 1)
+    # the whole large exchange's time, latency included: on a loaded machine the small one's time
+    # is noise of the same size, and their difference can vanish
+    bandwidth = 4.0 * values * (p - 1) / large
+    return bandwidth / 1e9, latency * 1e6
+
+
+def calibrate(graph: Graph, comm: Comm, backend: str = "auto") -> Rates:
+    """Every constant of :class:`Rates`, measured on all ranks of ``comm`` (a collective)."""
+    edge_s, value_s, gemm = measure_compute(graph, comm.rank, comm.world, backend, comm)
+    bw, lat = measure_link(comm)
+    return Rates(edge_s, value_s, gemm, bw, lat)
+
+
+def local_rates(graph: Graph, world: int, link: CommModel, backend: str = "auto") -> Rates:
+    """:class:`Rates` without other processes (``tessera plan --model-only``, the simulator): the
+    compute constants timed here on rank 0's share of ``graph`` for ``world`` ranks, the link's
+    from ``link``."""
+    edge_s, value_s, gemm = measure_compute(graph, 0, world, backend)
+    return Rates(edge_s, value_s, gemm, link.bandwidth_gbps, link.latency_us)

@@ -1,0 +1,177 @@
+"""A layer's candidate strategies and their modelled time, one registry entry per kind.
+
+A candidate is a :class:`~tessera.parallel.mixed.LayerChoice`: a strategy with its options and
+the layer's operation placement (WiseGraph §5.4: aggregating before or after the dense transform
+decides the exchanged width, and whether layer 0 exchanges gradients at all). Its modelled time
+for one training step of the layer, on the slowest rank, is
+
+    dense       GEMM FLOPs of the transform (forward, weight gradient, input gradient if needed)
+                at the measured FLOP rate;
+    aggregate   edges x (per-edge + per-value x width) at the measured rates, per pass (forward,
+                and backward where the layer exchanges gradients);
+    comm        SuperGCN Eq. 2/6 over the exact blocks the runtime sends (planner/model.py).
+
+A kind (:class:`CandidateKind`) lists its choices for a layer and models the last two terms;
+``register_kind`` adds one (``hybrid(M)`` will be one entry with its own cost function).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tessera.graph import Graph
+from tessera.graph.csr import rows_of
+from tessera.graph.partition.halo import MODES, pair_rows
+from tessera.parallel.base import StrategyOptions
+from tessera.parallel.mixed import LayerChoice
+from tessera.planner.calibrate import Rates
+from tessera.planner.grouping import all_to_all_time
+from tessera.planner.model import exchange_time
+from tessera.sparse import LayerSpec
+
+
+@dataclass
+class Context:
+    """What every kind's cost function reads: the graph's structure over the row split ``part``
+    of ``world`` ranks, the run's options, the bit widths to consider and the measured rates."""
+
+    graph: Graph
+    world: int
+    part: np.ndarray
+    options: StrategyOptions
+    rates: Rates
+    bits: tuple[int, ...] = (32,)
+    _memo: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Rows per rank."""
+        return np.bincount(self.part, minlength=self.world).astype(np.int64)
+
+    def edge_parts(self) -> dict[str, np.ndarray]:
+        """Per rank: ``local`` in-edges from its own rows, ``cut_in`` from others', ``cut_out`` to others'."""
+        if "edges" not in self._memo:
+            ps = self.part[self.graph.indices.numpy()]
+            pd = self.part[rows_of(self.graph.indptr.numpy())]
+            cut = ps != pd
+            count = lambda a: np.bincount(a, minlength=self.world).astype(np.float64)  # noqa: E731
+            self._memo["edges"] = {"local": count(pd[~cut]), "cut_in": count(pd[cut]), "cut_out": count(ps[cut])}
+        return self._memo["edges"]
+
+    def pair_rows(self, mode: str) -> np.ndarray:
+        """Rows rank ``p`` sends rank ``q`` per exchange under ``mode`` (the runtime's plans' counts)."""
+        if "rows" not in self._memo:
+            g = self.graph
+            self._memo["rows"] = pair_rows(g.indptr.numpy(), g.indices.numpy(), self.part, self.world, MODES)
+        return self._memo["rows"][mode]
+
+
+@dataclass(frozen=True)
+class CandidateKind:
+    """A family of candidates: ``choices(ctx, spec)`` (empty when it cannot run the layer) and
+    ``cost(ctx, choice, spec, backward)`` -> ``{"aggregate_s": ..., "comm_s": ...}``."""
+
+    name: str
+    choices: Callable[[Context, LayerSpec], list[LayerChoice]]
+    cost: Callable[[Context, LayerChoice, LayerSpec, bool], dict[str, float]]
+
+
+KINDS: dict[str, CandidateKind] = {}
+
+
+def register_kind(kind: CandidateKind) -> CandidateKind:
+    """Make ``kind``'s candidates part of every plan."""
+    KINDS[kind.name] = kind
+    return kind
+
+
+# ---------------------------------------------------------------------------------------- partition
+def _partition_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
+    modes = ("post",) if spec.edge_values else MODES  # attention gathers post rows whatever the mode
+    return [LayerChoice("partition", (("comm_bits", b), ("remote_agg", m))) for m in modes for b in ctx.bits]
+
+
+def partition_work(ctx: Context, mode: str) -> np.ndarray:
+    """Edges each rank aggregates per pass under ``mode``: its local in-edges, plus its cut
+    in-edges (post: remote sources added into owned rows) or its cut out-edges and the partial
+    rows it receives (pre), prepost half of each."""
+    e = ctx.edge_parts()
+    post = e["local"] + e["cut_in"]
+    pre = e["local"] + e["cut_out"] + ctx.pair_rows("pre").sum(axis=0)
+    return {"post": post, "pre": pre, "prepost": (post + pre) / 2}[mode]
+
+
+def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> dict[str, float]:
+    o = choice.options(ctx.options)
+    w, passes = spec.aggregate_width, 1 + backward
+    rows, m = ctx.pair_rows(o.remote_agg), ctx.rates.comm()
+    comm = exchange_time(rows, w, o.comm_bits, m)["time_s"]
+    if backward:
+        comm += exchange_time(rows.T, w, o.comm_bits, m)["time_s"]
+    return {"aggregate_s": passes * ctx.rates.aggregate_s(partition_work(ctx, o.remote_agg).max(), w), "comm_s": comm}
+
+
+# ---------------------------------------------------------------------------------------- tensor
+def _tensor_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
+    return [] if spec.edge_values else [LayerChoice("tensor", (("comm_bits", b),)) for b in ctx.bits]
+
+
+def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> dict[str, float]:
+    o = choice.options(ctx.options)
+    w, passes = spec.aggregate_width, 1 + backward
+    widest = -(-w // ctx.world)
+    comm = all_to_all_time(ctx.counts, w, o.comm_bits, ctx.rates.comm(), o.pipeline_stages)
+    return {
+        "aggregate_s": passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest),
+        "comm_s": passes * comm,
+    }
+
+
+register_kind(CandidateKind("partition", _partition_choices, _partition_cost))
+register_kind(CandidateKind("tensor", _tensor_choices, _tensor_cost))
+
+
+# ---------------------------------------------------------------------------------------- a layer
+def dense_s(ctx: Context, spec: LayerSpec, input_grad: bool) -> float:
+    """The layer's dense transform on the busiest rank's rows: forward, weight gradient and (when
+    the input needs one) input gradient."""
+    flops = 2.0 * ctx.counts.max() * spec.in_width * spec.out_width * (2 + input_grad)
+    return flops / ctx.rates.gemm_flops
+
+
+def layer_candidates(
+    ctx: Context, specs: dict[bool, LayerSpec], natural: bool, input_grad: bool
+) -> list[dict[str, Any]]:
+    """Every candidate of one layer with its modelled terms (seconds), best first. ``specs`` maps
+    each placement the layer can run (``aggregates_first``) to its description; ``natural`` is the
+    layer's own, which its choices leave unsaid."""
+    out = []
+    for first, spec in specs.items():
+        backward = spec.aggregates_input_grad(input_grad)
+        for kind in KINDS.values():
+            for choice in kind.choices(ctx, spec):
+                if first != natural:
+                    choice = LayerChoice(choice.strategy, choice.overrides, first)
+                terms = {"dense_s": dense_s(ctx, spec, input_grad), **kind.cost(ctx, choice, spec, backward)}
+                out.append(
+                    {
+                        "choice": choice,
+                        "label": choice.label(ctx.options),
+                        "kind": kind.name,
+                        "width": spec.aggregate_width,
+                        "backward": backward,
+                        "model": terms,
+                        "modelled_s": sum(terms.values()),
+                    }
+                )
+    return sorted(out, key=lambda c: c["modelled_s"])
+
+
+def prune(candidates: list[dict[str, Any]], factor: float) -> list[dict[str, Any]]:
+    """The candidates modelled within ``factor`` of the best."""
+    best = min(c["modelled_s"] for c in candidates)
+    return [c for c in candidates if c["modelled_s"] <= factor * best]

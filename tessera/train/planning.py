@@ -1,0 +1,65 @@
+"""``--strategy`` for a distributed run: the per-layer choices it names, or the planner's."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from tessera.comm.group import Comm
+from tessera.graph import Graph
+from tessera.nn.models import GNN
+from tessera.parallel.base import StrategyOptions
+from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_strategy
+from tessera.planner.plan import LayerProbe, plan_choices, plan_layers
+from tessera.train.config import TrainConfig
+
+
+def model_probe(model: GNN, cfg: TrainConfig) -> LayerProbe:
+    """The planner's view of ``model``: copies of each layer in every placement it can run."""
+    copies = []
+    for conv in model.convs:
+        natural = conv.describe().aggregates_first
+        places = (natural, *[p for p in conv.placements() if p != natural])
+        placed = {}
+        for p in places:
+            placed[p] = copy.deepcopy(conv)
+            placed[p].place(None if p == natural else p)
+        copies.append(placed)
+
+    def forward(layer: int, aggregate_first: bool | None, operand, x: torch.Tensor) -> torch.Tensor:
+        placed = copies[layer]
+        return placed[next(iter(placed)) if aggregate_first is None else aggregate_first](x, operand)
+
+    specs = [{p: c.describe() for p, c in placed.items()} for placed in copies]
+    description = {
+        "model": cfg.model,
+        "widths": [[s.in_width, s.out_width] for s in model.describe()],
+        "heads": cfg.heads,
+        "norm": cfg.norm,
+        "label_prop": cfg.label_prop > 0,
+    }
+    return LayerProbe(
+        placements=[tuple(placed) for placed in copies],
+        spec=lambda layer, first: specs[layer][first],
+        forward=forward,
+        input_grad=cfg.norm == "layer" or cfg.label_prop > 0,
+        description=description,
+    )
+
+
+def layer_choices(
+    cfg: TrainConfig, model: GNN, source: Graph | dict[str, Any], comm: Comm, options: StrategyOptions
+) -> tuple[list[LayerChoice], dict[str, Any] | None, StrategyPool | None]:
+    """Each layer's strategy for a distributed run, the planner's record (None unless ``auto``
+    planned) and the strategies it sharded. ``auto`` plans on a whole graph whose layers all run
+    under more than one strategy; from part files, or with attention layers, it is partition."""
+    choices = parse_strategy(cfg.strategy, cfg.layers)
+    if choices is not None:
+        return choices, None, None
+    if not isinstance(source, Graph) or any(s.edge_values for s in model.describe()):
+        return [LayerChoice("partition")] * cfg.layers, None, None
+    with torch.random.fork_rng():  # planning draws nothing from the run's random stream
+        rec, pool = plan_layers(comm, source, options, model_probe(model, cfg))
+    return plan_choices(rec), rec, pool
