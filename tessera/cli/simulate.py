@@ -44,7 +44,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--dataset", help="cora | citeseer | ogbn-* | a path | synthetic:<preset> (default synthetic:small)")
     s.add_argument("--name", help="which dataset, when a directory holds several (e.g. cora)")
     s.add_argument("--parts", required=True, help="number of parts, or several comma-separated (e.g. 8,64,512)")
-    s.add_argument("--model", default="gcn", help="gcn | sage | gin | gat (default gcn)")
+    s.add_argument(
+        "--model",
+        default="gcn",
+        help="gcn | sage | sage-lstm | gin | gat | rgcn (default gcn; rgcn needs a typed graph)",
+    )
     s.add_argument("--heads", type=int, default=8, help="gat's attention heads, as train --heads (default 8)")
     s.add_argument("--hidden", type=int, default=256, help="hidden width (default 256)")
     s.add_argument("--layers", type=int, default=2, help="number of graph layers (default 2)")
@@ -176,7 +180,15 @@ def run(args: argparse.Namespace) -> int:
     out_dim = args.out_dim if args.out_dim is not None else g.num_classes
     if out_dim is None:
         raise ConfigError("the graph has no labels; pass the output width (--out-dim)")
-    specs = build_model(args.model, g.num_features, args.hidden, int(out_dim), args.layers, heads=args.heads).describe()
+    specs = build_model(
+        args.model,
+        g.num_features,
+        args.hidden,
+        int(out_dim),
+        args.layers,
+        heads=args.heads,
+        num_relations=g.num_relations or 0,
+    ).describe()
     runs = []
     for p in parts:
         t = time.perf_counter()

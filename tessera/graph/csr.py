@@ -99,7 +99,9 @@ class CSRStructure:
 class CSRMatrix(CSRStructure):
     """``num_rows x num_cols`` CSR: row ``i`` holds entries ``(indices[e], edge_weight[e])`` for
     ``e in [indptr[i], indptr[i+1])`` (``edge_weight`` None: all ones). The product ``out = M @ x``
-    is an aggregation into rows from columns, so every backend runs it as it runs a graph's."""
+    is an aggregation into rows from columns, so every backend runs it as it runs a graph's. A
+    typed matrix (a partitioned rank's in-edges for RGCN) has ``edge_type``, one relation id per
+    entry in ``[0, num_relations)``, as a typed :class:`~tessera.graph.Graph` has."""
 
     indptr: torch.Tensor
     indices: torch.Tensor
@@ -107,6 +109,8 @@ class CSRMatrix(CSRStructure):
     num_rows: int
     num_cols: int
     _structure: dict = field(default_factory=dict, repr=False)
+    edge_type: torch.Tensor | None = None
+    num_relations: int | None = None
 
     @classmethod
     def from_numpy(

@@ -53,7 +53,7 @@ class RelationEdges:
 
 def edge_types(graph: CSRStructure) -> tuple[np.ndarray, int]:
     """The relation of every edge (int64, CSR order) and the relation count; GraphError when untyped."""
-    t = graph.edge_type if isinstance(graph, Graph) else None
+    t = graph.edge_type if isinstance(graph, (Graph, CSRMatrix)) else None
     if t is None:
         raise GraphError(
             f"{graph!r} has no edge types: relational layers (RGCN) need a typed graph "

@@ -7,9 +7,16 @@ features and their per-vertex attention terms in one block. Then the rank holds 
 its rows as one local matrix whose columns are its own rows followed by the received ones, and
 computes attention and aggregation exactly as one process does. Backward sends the received rows'
 gradients back to their owners, which add them into their own.
+
+Relational layers (RGCN) gather the same way: the received rows serve every relation, so a layer
+exchanges its input rows once, not once per relation, and the rank runs the one-process
+relational aggregation over its rows' typed in-edges (:meth:`SourceGather.typed_in_edges`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,16 +28,32 @@ from tessera.errors import ConfigError
 from tessera.graph.csr import CSRMatrix, rows_of
 from tessera.graph.partition.halo import RankPlan
 from tessera.sparse import Operand
+from tessera.sparse.relation_plan import Relations
+
+
+@dataclass(frozen=True)
+class TypedInEdges:
+    """A rank's in-edges with their relations: CSR over the owned rows (``indptr``), each edge's
+    global source and relation, in the graph's order, and the graph's relation count."""
+
+    indptr: np.ndarray
+    src: np.ndarray
+    edge_type: np.ndarray
+    num_relations: int
 
 
 class SourceGather:
-    """The post-mode exchange of ``plan`` as a gather: owned rows -> owned rows + received rows."""
+    """The post-mode exchange of ``plan`` as a gather: owned rows -> owned rows + received rows.
+    ``typed`` gives the rank's typed in-edges (None: the graph has no relations), read on first use."""
 
-    def __init__(self, plan: RankPlan, exchange: Exchange) -> None:
+    def __init__(
+        self, plan: RankPlan, exchange: Exchange, typed: Callable[[], TypedInEdges | None] | None = None
+    ) -> None:
         if plan.mode != "post":
             raise ValueError(f"attention gathers sources with a post-mode plan, got {plan.mode!r}")
         self.plan, self.n_owned, self.exchange = plan, plan.n_owned, exchange
         self._matrices: dict[bool, CSRMatrix] = {}
+        self._typed, self._typed_matrix = typed, None
         # In post mode every sent row is one owned row: S is a selection matrix.
         self.send_rows = torch.from_numpy(plan.S.indices.astype(np.int64))
         self.recv_ids = torch.from_numpy(plan.recv_src.astype(np.int64))
@@ -40,6 +63,16 @@ class SourceGather:
         if self_loops not in self._matrices:
             self._matrices[self_loops] = _local_in_edges(self.plan, self_loops)
         return self._matrices[self_loops]
+
+    def typed_in_edges(self) -> CSRMatrix:
+        """Every in-edge of the owned rows with its relation, over owned + received columns (as
+        :meth:`in_edges`); a ConfigError when the graph has no edge types."""
+        if self._typed_matrix is None:
+            edges = self._typed() if self._typed is not None else None
+            if edges is None:
+                raise ConfigError("this graph has no edge types: relational layers (RGCN) need a typed graph")
+            self._typed_matrix = _typed_local(self.plan, edges)
+        return self._typed_matrix
 
     def forward(self, flat: torch.Tensor, layer: int) -> torch.Tensor:
         """``flat`` (owned rows) with the received remote sources' rows appended."""
@@ -79,6 +112,22 @@ def _local_in_edges(plan: RankPlan, self_loops: bool) -> CSRMatrix:
     indptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(rows, minlength=n), out=indptr[1:])
     return CSRMatrix.from_numpy(indptr, cols[order], None, n, n + int(plan.R.n_cols))
+
+
+def _typed_local(plan: RankPlan, edges: TypedInEdges) -> CSRMatrix:
+    """``edges`` with each source as its column: owned sources ``0..n-1``, remote ones ``n + k``
+    for received row ``k`` (a post-mode plan receives every remote source once)."""
+    n, src = plan.n_owned, edges.src.astype(np.int64)
+    pos = np.minimum(np.searchsorted(plan.owned, src), max(n - 1, 0))
+    own = (plan.owned[pos] == src) if n else np.zeros(src.size, dtype=bool)
+    recv = plan.recv_src
+    by_id = np.argsort(recv, kind="stable")
+    cols = np.where(own, pos, 0)
+    cols[~own] = n + by_id[np.searchsorted(recv[by_id], src[~own])]
+    m = CSRMatrix.from_numpy(edges.indptr.astype(np.int64), cols, None, n, n + int(plan.R.n_cols))
+    m.edge_type = torch.from_numpy(edges.edge_type.astype(np.int64))
+    m.num_relations = int(edges.num_relations)
+    return m
 
 
 class AttentionOperand(Operand):
@@ -123,6 +172,9 @@ class AttentionOperand(Operand):
 
     def edge_ids(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rows, torch.cat([rows.to(torch.int64), self.gather.recv_ids])
+
+    def relations(self) -> Relations:
+        return local_operand(self.gather.typed_in_edges(), self.backend).relations()
 
     def _variant(self, self_loops: bool) -> AttentionOperand:
         if self_loops == self.self_loops:

@@ -37,7 +37,7 @@ from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.parallel.base import Shard, Strategy, row_split
 from tessera.parallel.partition import PartitionStrategy
-from tessera.parallel.tensor import TensorOperand, TensorPlan, check_layers, stage_rows
+from tessera.parallel.tensor import TensorOperand, TensorPlan, check_layers, refuse_relational, stage_rows
 from tessera.sparse import LayerSpec, Operand
 
 
@@ -51,7 +51,9 @@ def check_groups(world: int, groups: int) -> None:
 
 
 def refuse_attention(specs: list[LayerSpec]) -> None:
-    """Raise :class:`ConfigError` for attention layers (the runtime and the simulator both ask)."""
+    """Raise :class:`ConfigError` for attention and relational layers (the runtime and the simulator
+    both ask)."""
+    refuse_relational(specs, "hybrid")
     if any(s.edge_values for s in specs):
         raise ConfigError(
             "the hybrid strategy runs gcn, sage and gin, not gat: use --strategy partition, tensor or one process"

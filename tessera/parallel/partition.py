@@ -27,9 +27,9 @@ from tessera.comm.exchange import Exchange
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix, rows_of
-from tessera.graph.partition.halo import RankPlan, build_rank_plan, plan_from_part
+from tessera.graph.partition.halo import RankPlan, build_rank_plan, plan_from_part, row_edges
 from tessera.parallel.base import SPLITS, ExchangeOperand, Shard, Strategy, row_split
-from tessera.parallel.halo_attention import AttentionOperand, SourceGather
+from tessera.parallel.halo_attention import AttentionOperand, SourceGather, TypedInEdges
 from tessera.sparse import LayerSpec, Operand
 
 
@@ -189,7 +189,20 @@ class PartitionStrategy(Strategy):
             wsum = np.zeros(graph.num_nodes)
             np.add.at(wsum, graph.dst_index().numpy(), w.astype(np.float64))
             in_weight = wsum[plan.owned]
-        self._start(plan, in_weight, plan_for)
+
+        def typed() -> TypedInEdges | None:
+            if graph.edge_type is None:
+                return None
+            indptr = graph.indptr.numpy()
+            eid = row_edges(indptr, plan.owned)
+            return TypedInEdges(
+                np.concatenate([[0], np.cumsum(np.diff(indptr)[plan.owned])]),
+                graph.indices.numpy()[eid],
+                graph.edge_type.numpy()[eid],
+                int(graph.num_relations),
+            )
+
+        self._start(plan, in_weight, plan_for, typed)
         return owned
 
     def shard_from_part(self, data: dict[str, Any]) -> Shard:
@@ -200,7 +213,13 @@ class PartitionStrategy(Strategy):
         in_weight = np.diff(indptr).astype(np.float64)
         if w is not None:
             in_weight = np.bincount(rows_of(indptr), weights=w.astype(np.float64), minlength=indptr.size - 1)
-        self._start(plan, in_weight, lambda mode: plan_from_part(data, mode))
+
+        def typed() -> TypedInEdges | None:
+            if "etype" not in data:
+                return None
+            return TypedInEdges(indptr, data["src"], data["etype"], int(meta.get("num_relations")))
+
+        self._start(plan, in_weight, lambda mode: plan_from_part(data, mode), typed)
         missing = [k for k in ("x", "y", *(f"{s}_mask" for s in SPLITS)) if k not in data]
         if missing:
             raise ConfigError(
@@ -218,17 +237,23 @@ class PartitionStrategy(Strategy):
             num_edges=int(meta.get("num_edges", 0)),
         )
 
-    def _start(self, plan: RankPlan, in_weight: np.ndarray, plan_for: Callable[[str], RankPlan]) -> None:
+    def _start(
+        self,
+        plan: RankPlan,
+        in_weight: np.ndarray,
+        plan_for: Callable[[str], RankPlan],
+        typed: Callable[[], TypedInEdges | None],
+    ) -> None:
         self.log = CommLog(self.comm.job_rank, self.comm.job_size)
         self.halo = HaloPlan(plan, in_weight, self._exchange(plan), self.options.backend)
-        self._plan, self._plan_for = plan, plan_for
+        self._plan, self._plan_for, self._typed = plan, plan_for, typed
         self._gather: SourceGather | None = None
 
     def _source_gather(self) -> SourceGather:
-        """Attention layers' post-mode exchange of remote source rows, made on first use."""
+        """Attention and relational layers' post-mode exchange of remote source rows, made on first use."""
         if self._gather is None:
             post = self._plan if self._plan.mode == "post" else self._plan_for("post")
-            self._gather = SourceGather(post, self._exchange(post))
+            self._gather = SourceGather(post, self._exchange(post), self._typed)
         return self._gather
 
     def _exchange(self, plan: RankPlan) -> Exchange:

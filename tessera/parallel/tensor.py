@@ -117,11 +117,21 @@ def row_batches(matrix: CSRStructure, weight: torch.Tensor | None, counts, stage
     return out
 
 
+def refuse_relational(specs: list[LayerSpec], strategy: str) -> None:
+    """Raise :class:`ConfigError` for relational layers (RGCN), which ``strategy`` does not run."""
+    if any(s.relations for s in specs):
+        raise ConfigError(
+            f"the {strategy} strategy does not run rgcn (its per-relation weights could split by feature "
+            "columns, but that is not built): use --strategy partition or one process"
+        )
+
+
 def check_layers(specs: list[LayerSpec], stages: int) -> None:
     """Raise :class:`ConfigError` for ``stages`` this strategy cannot run ``specs`` in (the
     runtime and the simulator both ask)."""
     if stages < 1:
         raise ConfigError(f"--pipeline-stages must be at least 1, got {stages}")
+    refuse_relational(specs, "tensor")
     if not all(s.column_separable for s in specs):
         raise ConfigError(
             "the tensor strategy runs gcn, sage, gin and gat, not sage-lstm (an LSTM over a vertex's "

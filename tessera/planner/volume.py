@@ -10,7 +10,9 @@ exchange when its aggregated input needs no gradient (autograd skips it: raw fea
 before the linear map, no LayerNorm, no label embedding). Evaluation forwards exchange the forward
 volumes again; they are reported apart (``eval_forward_bytes``), as the runtime's log counts
 training passes only. An attention layer (GAT) gathers its remote sources' rows in post mode
-whatever the mode, each row its features and its ``edge_terms`` attention terms.
+whatever the mode, each row its features and its ``edge_terms`` attention terms; so do SAGE-LSTM
+(its input rows, for the neighbour sequences) and RGCN (its input rows, once per layer for all
+relations: ``LayerSpec.edge_values`` marks all three).
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def _layers(specs: list[LayerSpec], norm: str, label_prop: float, dropout: float
 
 
 def _exchange_modes(specs: list[LayerSpec], modes: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan each mode's exchanges follow: attention layers gather their sources in post mode
-    whatever ``--remote-agg`` says (models mixing them with other layers are not modelled)."""
+    """The plan each mode's exchanges follow: layers with per-edge work on their sources' rows
+    (``edge_values``: GAT, SAGE-LSTM, RGCN) gather them in post mode whatever ``--remote-agg``
+    says (models mixing them with other layers are not modelled)."""
     attention = {s.edge_values for s in specs}
     if attention == {True, False}:
         raise ConfigError("the simulator models all-attention or attention-free models, not a mix")

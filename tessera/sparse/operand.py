@@ -81,11 +81,11 @@ class Operand(ABC):
         )
 
     def relations(self) -> Relations:
-        """The per-relation structures relational layers (RGCN) aggregate with; only operands over
-        a whole typed graph have them."""
+        """The per-relation structures relational layers (RGCN) aggregate with; only operands that
+        hold every in-edge of their rows (one process, a partition rank's source gather) have them."""
         raise ConfigError(
-            f"{type(self).__name__} has no per-relation structure: RGCN runs in one process (without --nprocs) "
-            "on a typed graph"
+            f"{type(self).__name__} has no per-relation structure: RGCN runs with --strategy partition or in "
+            "one process, on a typed graph"
         )
 
     def gather_sources(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -16,7 +16,9 @@ class LayerSpec:
     ``edge_terms`` per-vertex scalars at each end of an edge (GAT: one per head), or whose per-edge
     work needs each source's row (SAGE-LSTM); ``column_separable``: the aggregation treats feature
     columns independently, so it can run on column slices (tensor parallelism); an LSTM over a
-    vertex's neighbour sequence mixes a row's columns."""
+    vertex's neighbour sequence mixes a row's columns. ``relations``: a relational layer (RGCN)
+    with that many relations, whose per-edge work needs each source's row and the edge's relation
+    (0: not relational)."""
 
     in_width: int
     out_width: int
@@ -25,6 +27,7 @@ class LayerSpec:
     edge_values: bool = False
     edge_terms: int = 0
     column_separable: bool = True
+    relations: int = 0
 
     def aggregates_input_grad(self, input_needs_grad: bool) -> bool:
         """Whether the backward pass runs this layer's transposed aggregation."""

@@ -62,20 +62,23 @@ def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
     return int(source["x"].shape[1]), int(source.get("meta", {}).get("num_classes"))
 
 
-def _relations(cfg: TrainConfig, source: Graph | dict[str, Any], distributed: bool) -> int:
+def _relations(cfg: TrainConfig, source: Graph | dict[str, Any]) -> int:
     """The relation count an RGCN model is built for (0 for other models)."""
     if cfg.model.lower() != "rgcn":
         if cfg.num_bases is not None or cfg.num_blocks is not None:
             raise ConfigError(f"--num-bases and --num-blocks are RGCN options; --model is {cfg.model}")
         return 0
-    if distributed:
-        raise ConfigError("--model rgcn runs in one process for now; drop --nprocs / --parts-dir")
-    if source.num_relations is None:
+    if isinstance(source, Graph):
+        name, relations = source.name, source.num_relations
+    else:  # a part file: the whole graph's facts are in its meta
+        meta = source.get("meta", {})
+        name, relations = meta.get("name", "the partitioned graph"), meta.get("num_relations")
+    if relations is None:
         raise ConfigError(
-            f"--model rgcn needs a typed graph, but {source.name} has no edge types; use a 'src rel dst' edge "
+            f"--model rgcn needs a typed graph, but {name} has no edge types; use a 'src rel dst' edge "
             "list (.rel), N-Triples (.nt), PyG data with edge_type, or synthetic:<preset>-rel"
         )
-    return int(source.num_relations)
+    return int(relations)
 
 
 def check_out_dir(path: str | os.PathLike) -> None:
@@ -121,7 +124,7 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
     from ``tessera partition --out``) and prepare features, order and operands for ``cfg``."""
     distributed = comm.world > 1 or not isinstance(source, Graph)
     in_dim, classes = _dims(source)
-    relations = _relations(cfg, source, distributed)
+    relations = _relations(cfg, source)
     rows = source.num_nodes // comm.world if isinstance(source, Graph) else int(source["x"].shape[0])
     check_model_memory(cfg, rows, in_dim)
     model = build_model(

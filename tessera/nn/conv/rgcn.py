@@ -94,17 +94,17 @@ class RGCNConv(GraphConv):
             raise ConfigError(
                 f"the graph has {rel.num_relations} relations but this RGCN layer was built for {self.num_relations}"
             )
-        out = relational_aggregate(a, x, self.relation_weights(), self.aggr, self.variant)
+        (x_src,) = a.gather_sources(x)  # a partitioned rank appends its remote sources' rows
+        out = relational_aggregate(a, x_src, self.relation_weights(), self.aggr, self.variant)
         if self.root is not None:
             out = out + sparse.linear(x, self.root.t())
         return out if self.bias is None else out + self.bias
 
     def describe(self) -> LayerSpec:
-        # Which width the relational sum gathers depends on the variant the operand picks; the
-        # narrower of the two is what the cheaper variants aggregate.
-        width = min(self.in_channels, self.out_channels)
+        """Reads its sources' input rows (``in`` wide) per edge and relation: under partition
+        parallelism a rank receives its remote sources' rows once per layer, for every relation."""
         return LayerSpec(
-            self.in_channels, self.out_channels, width, aggregates_first=self.in_channels < self.out_channels
+            self.in_channels, self.out_channels, self.in_channels, True, True, relations=self.num_relations
         )
 
     def extra_repr(self) -> str:
