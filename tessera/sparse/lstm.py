@@ -22,7 +22,10 @@ Three ways compute the same value:
   gathered ``(E, 4H)`` gate buffer in place (gates reordered i, f, o, g: one sigmoid and one
   tanh per step) and keeps it with every step's ``c`` and incoming ``h`` (O(E x 6H) floats);
   backward runs the steps in reverse, then takes ``W_hh``'s gradient as one GEMM over all
-  (row, step) pairs and the projections' gradient as one ``index_add`` over the edges.
+  (row, step) pairs and the projections' gradient as one ``index_add`` over the edges. The
+  nonlinearities stay torch's vectorised ops; the rest of each step's cell update and its gate
+  gradients are single-pass numba kernels (:mod:`tessera.sparse.lstm_kernels`), which measured
+  about 15% less CPU time per aggregation than the same arithmetic as ~20 torch ops a step.
 
 ``auto`` is ``hoisted``: ``packed``'s CPU backward is oneDNN's RNN backward, 66.6 s for one
 64 -> 64 aggregation on synthetic:small (10k vertices, 100k edges, in-degree max 405) against
@@ -43,6 +46,7 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
+from tessera.sparse.lstm_kernels import cell_backward, cell_output, cell_state
 from tessera.threads import flush_denormals, torch_threads
 
 IMPLS = ("auto", "reference", "packed", "hoisted")
@@ -197,20 +201,17 @@ class _Recurrence(torch.autograd.Function):
         out = proj.new_empty(rows, hid)
         tc = proj.new_empty(rows, hid)
         w_t = w_hh.t()
+        g_np, cs_np, tc_np, hs_np, out_np = (a.numpy() for a in (gates, cs, tc, hs, out))
         with torch_threads(_STEP_THREADS):
             for t, (b, nb) in enumerate(_steps(plan.batch)):
-                g, c = gates[ptr[t] : ptr[t] + b], cs[ptr[t] : ptr[t] + b]
+                g = gates[ptr[t] : ptr[t] + b]
                 if t:
                     g.addmm_(hs[ptr[t] : ptr[t] + b], w_t)
                 g[:, : 3 * hid].sigmoid_()
                 g[:, 3 * hid :].tanh_()
-                torch.mul(g[:, :hid], g[:, 3 * hid :], out=c)
-                if t:
-                    c.addcmul_(g[:, hid : 2 * hid], cs[ptr[t - 1] : ptr[t - 1] + b])
-                torch.tanh(c, out=tc[:b])
-                o = g[:, 2 * hid : 3 * hid]
-                torch.mul(o[:nb], tc[:nb], out=hs[ptr[t + 1] : ptr[t + 1] + nb])
-                torch.mul(o[nb:], tc[nb:b], out=out[nb:b])
+                cell_state(g_np, cs_np, ptr[t], ptr[t - 1] if t else -1, b)
+                torch.tanh(cs[ptr[t] : ptr[t] + b], out=tc[:b])
+                cell_output(g_np, tc_np, hs_np, out_np, ptr[t], ptr[t + 1], b, nb)
         ctx.save_for_backward(gates, hs, cs, w_hh)
         ctx.plan, ctx.num_cols = plan, proj.shape[0]
         return out
@@ -219,45 +220,23 @@ class _Recurrence(torch.autograd.Function):
     def _backward(ctx, dout):
         gates, hs, cs, w_hh = ctx.saved_tensors
         plan, hid = ctx.plan, w_hh.shape[1]
-        (rows, *_), ptr, h3 = plan.batch, plan.ptr, 3 * hid
+        (rows, *_), ptr = plan.batch, plan.ptr
         dout = dout.contiguous()
         dgates = torch.empty_like(gates)
-        dh, dc = gates.new_empty(rows, hid), gates.new_empty(rows, hid)
-        tc, tmp = gates.new_empty(rows, hid), gates.new_empty(rows, hid)
-        sd = gates.new_empty(rows, h3)
+        dh, dc, tc = (gates.new_empty(rows, hid) for _ in range(3))
+        arrays = [a.numpy() for a in (gates, cs, tc, dgates, dh, dc, dout)]
         with torch_threads(_STEP_THREADS):
             for t, (b, nb) in reversed(list(enumerate(_steps(plan.batch)))):
-                g, d = gates[ptr[t] : ptr[t] + b], dgates[ptr[t] : ptr[t] + b]
-                i, f, o, gg = g[:, :hid], g[:, hid : 2 * hid], g[:, 2 * hid : h3], g[:, h3:]
-                # rows finishing at t take dh from the output and carry no dc; the others hold
-                # what step t + 1 passed back
-                dh[nb:b] = dout[nb:b]
-                dc[nb:b] = 0
-                dh_, dc_, tc_, tmp_, sd_ = dh[:b], dc[:b], tc[:b], tmp[:b], sd[:b]
-                torch.tanh(cs[ptr[t] : ptr[t] + b], out=tc_)
-                # dc += dh * o * (1 - tanh(c)^2)
-                torch.mul(tc_, tc_, out=tmp_).neg_().add_(1).mul_(o)
-                dc_.addcmul_(tmp_, dh_)
-                # sigmoid' = s (1 - s) over the i, f, o block
-                torch.mul(g[:, :h3], g[:, :h3], out=sd_)
-                torch.sub(g[:, :h3], sd_, out=sd_)
-                torch.mul(dc_, gg, out=d[:, :hid])
+                torch.tanh(cs[ptr[t] : ptr[t] + b], out=tc[:b])
+                cell_backward(*arrays, ptr[t], ptr[t - 1] if t else -1, b, nb)
                 if t:
-                    torch.mul(dc_, cs[ptr[t - 1] : ptr[t - 1] + b], out=d[:, hid : 2 * hid])
-                else:
-                    d[:, hid : 2 * hid] = 0
-                torch.mul(dh_, tc_, out=d[:, 2 * hid : h3])
-                d[:, :h3].mul_(sd_)
-                # tanh' = 1 - g^2
-                torch.mul(gg, gg, out=tmp_).neg_().add_(1).mul_(i)
-                torch.mul(dc_, tmp_, out=d[:, h3:])
-                if t:
-                    dc_.mul_(f)
-                    torch.mm(d, w_hh, out=dh_)
+                    torch.mm(dgates[ptr[t] : ptr[t] + b], w_hh, out=dh[:b])
         dw = dgates[rows:].t().mm(hs[rows:]) if ctx.needs_input_grad[1] else None
         dproj = None
         if ctx.needs_input_grad[0]:
-            dproj = gates.new_zeros(ctx.num_cols, gates.shape[1]).index_add_(0, plan.steps, dgates)
+            # torch splits each index_add row over the threads: 2 threads cost 4-5x the CPU time
+            with torch_threads(1):
+                dproj = gates.new_zeros(ctx.num_cols, gates.shape[1]).index_add_(0, plan.steps, dgates)
         return dproj, dw, None
 
 
