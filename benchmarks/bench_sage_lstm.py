@@ -1,9 +1,13 @@
 """Epoch time of a 2-layer SAGE-LSTM: tessera vs PyG ``SAGEConv(aggr="lstm")`` vs DGL
 ``SAGEConv(aggregator_type="lstm")`` (in its own venv, run as a subprocess), same graph, same
 thread count, median of the timed epochs (forward, cross-entropy on the training vertices,
-backward, Adam step) after one warm-up epoch.
+backward, Adam step) after one warm-up epoch. ``--rounds R`` interleaves R rounds of every
+system (for a shared, loaded machine) and reports the median over all rounds' epochs and each
+round's ratio. ``--spec N,M,F,C[,max_degree]`` uses a custom synthetic graph (N vertices, M
+undirected edges, F features, C classes) instead of ``--dataset``.
 
     python benchmarks/bench_sage_lstm.py --dataset synthetic:small --hidden 64 --threads 2
+    python benchmarks/bench_sage_lstm.py --spec 50000,250000,64,8,1000 --rounds 3 --peers dgl
 """
 
 from __future__ import annotations
@@ -55,11 +59,33 @@ def dgl_side(path: Path, epochs: int, threads: int, hidden: int) -> None:
     print(json.dumps(times))
 
 
+def _graph(args):
+    """``--dataset``, or the ``--spec`` synthetic graph."""
+    if not args.spec:
+        from tessera.datasets import load
+
+        return args.dataset, load(args.dataset)
+    from tessera.graph.synthetic import SyntheticSpec, generate
+
+    n, m, f, c, *rest = (int(v) for v in args.spec.split(","))
+    spec = SyntheticSpec(n, m, f, c, max_degree=rest[0] if rest else 1000, per_class=(50, 100), name="spec")
+    return f"synthetic spec {args.spec}", generate(spec)
+
+
+def _dgl_run(args, path: Path) -> list[float]:
+    cmd = [args.dgl_python, __file__, "--dgl-side", str(path), "--epochs", str(args.epochs),
+           "--threads", str(args.threads), "--hidden", str(args.hidden)]  # fmt: skip
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="synthetic:small")
+    ap.add_argument("--spec", help="N,M,F,C[,max_degree]: a custom synthetic graph instead of --dataset")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peers", default="dgl,pyg", help="comma list of dgl, pyg (empty: tessera only)")
     ap.add_argument("--dgl-python", default="/work/dgl-venv/bin/python")
@@ -69,43 +95,51 @@ def main() -> int:
         dgl_side(args.dgl_side, args.epochs, args.threads, args.hidden)
         return 0
 
-    from tessera.datasets import load
     from tessera.nn.models import build_model
     from tessera.threads import set_num_threads
 
     set_num_threads(args.threads)
     torch.manual_seed(0)
-    g = load(args.dataset)
+    name, g = _graph(args)
     x, y, train, classes = g.x, g.y, g.train_mask, int(g.num_classes)
     deg = g.in_degree()
-    print(f"{args.dataset}: {g.num_nodes} vertices, {g.num_edges} edges, in-degree max {int(deg.max())}, "
-          f"{x.shape[1]} features, hidden {args.hidden}, {args.threads} threads")  # fmt: skip
-    results = {}
+    print(f"{name}: {g.num_nodes} vertices, {g.num_edges} edges, in-degree max {int(deg.max())}, "
+          f"{x.shape[1]} features, hidden {args.hidden}, {args.threads} threads", flush=True)  # fmt: skip
     model = build_model("sage-lstm", x.shape[1], args.hidden, classes, dropout=0.0)
-    results["tessera"] = _epochs(_trainer(model, lambda: model(x, g), y, train), args.epochs)
+    runs = {"tessera": lambda: _epochs(_trainer(model, lambda: model(x, g), y, train), args.epochs)}
     peers = [p for p in args.peers.split(",") if p]
     if "pyg" in peers:
         from torch_geometric.nn import SAGEConv
 
         ei = g.edge_index()  # sorted by destination, as LSTMAggregation requires
         convs = torch.nn.ModuleList([SAGEConv(x.shape[1], args.hidden, aggr="lstm"), SAGEConv(args.hidden, classes, aggr="lstm")])  # fmt: skip
-        results["pyg"] = _epochs(_trainer(convs, lambda: convs[1](torch.relu(convs[0](x, ei)), ei), y, train), args.epochs)  # fmt: skip
-    if "dgl" in peers:
-        with tempfile.TemporaryDirectory() as tmp:
+        runs["pyg"] = lambda: _epochs(_trainer(convs, lambda: convs[1](torch.relu(convs[0](x, ei)), ei), y, train), args.epochs)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        if "dgl" in peers:
             path = Path(tmp) / "graph.npz"
             np.savez(path, src=g.src_index().numpy(), dst=g.dst_index().numpy(), n=g.num_nodes, x=x.numpy(),
                      y=y.numpy(), train=train.numpy(), classes=classes)  # fmt: skip
-            cmd = [args.dgl_python, __file__, "--dgl-side", str(path), "--epochs", str(args.epochs),
-                   "--threads", str(args.threads), "--hidden", str(args.hidden)]  # fmt: skip
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            results["dgl"] = json.loads(out.strip().splitlines()[-1])
+            runs["dgl"] = lambda: _dgl_run(args, path)
+        results: dict[str, list[float]] = {k: [] for k in runs}
+        for r in range(args.rounds):
+            med = {}
+            for k, run in runs.items():
+                times = run()
+                results[k] += times
+                med[k] = statistics.median(times)
+                print(f"round {r}: {k:8s} median epoch {med[k]:.3f} s  (epochs: {', '.join(f'{t:.3f}' for t in times)})", flush=True)  # fmt: skip
+            _ratio(med, f"round {r}: ")
     med = {k: statistics.median(v) for k, v in results.items()}
-    for k, v in results.items():
-        print(f"{k:8s} median epoch {med[k]:.3f} s  (epochs: {', '.join(f'{t:.3f}' for t in v)})")
+    for k in results:
+        print(f"all rounds: {k:8s} median epoch {med[k]:.3f} s over {len(results[k])} epochs")
+    _ratio(med, "all rounds: ")
+    return 0
+
+
+def _ratio(med: dict[str, float], prefix: str) -> None:
     peer = min((med[k] for k in med if k != "tessera"), default=None)
     if peer:
-        print(f"tessera / fastest peer = {med['tessera'] / peer:.2f}")
-    return 0
+        print(f"{prefix}tessera / fastest peer = {med['tessera'] / peer:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numba
 import torch
 
@@ -20,3 +23,30 @@ def sync_numba_threads() -> None:
     n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch threads, then restore the previous count."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def flush_denormals() -> Iterator[None]:
+    """Run the block with denormal floats flushed to zero on the calling thread, then restore."""
+    # torch has no getter: a denormal times one is zero exactly when flushing is on already
+    if (torch.tensor([1e-39]) * 1.0).item() == 0.0 or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)

@@ -16,6 +16,7 @@ from tessera.nn.models import build_model
 from tessera.parallel import make_strategy
 from tessera.parallel.base import StrategyOptions
 from tessera.sparse import lstm_aggregate, sequence_plan
+from tessera.threads import torch_threads
 from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer
 
@@ -75,12 +76,13 @@ def test_layer_matches_per_vertex_lstm_oracle_in_outputs_and_gradients():
     torch.testing.assert_close(out[iso], conv.fc_self(x)[iso])
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("impl", ["packed", "hoisted", "auto"])
-def test_fast_paths_equal_the_per_vertex_reference(impl):
+def test_fast_paths_equal_the_per_vertex_reference(impl, bias):
     torch.manual_seed(0)
     g = _graph()
-    lstm = torch.nn.LSTM(5, 7)
-    params = [lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0]
+    lstm = torch.nn.LSTM(5, 7, bias=bias)
+    params = [lstm.weight_ih_l0, lstm.weight_hh_l0] + ([lstm.bias_ih_l0, lstm.bias_hh_l0] if bias else [])
     x = torch.randn(g.num_nodes, 5, requires_grad=True)
     plan = sequence_plan(g)
     got = lstm_aggregate(plan, x, *params, impl=impl)
@@ -88,6 +90,28 @@ def test_fast_paths_equal_the_per_vertex_reference(impl):
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
     for a, b in zip(_grads(got, x, params), _grads(ref, x, params), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_hoisted_restores_threads_and_denormals():
+    """The recurrence runs its steps on one thread with denormals flushed, and puts both back."""
+    g = _graph()
+    lstm = torch.nn.LSTM(4, 4)
+    x = torch.randn(g.num_nodes, 4, requires_grad=True)
+    tiny = torch.tensor([1e-39])
+    with torch_threads(2):
+        out = lstm_aggregate(sequence_plan(g), x, *lstm.parameters(), impl="hoisted")
+        out.sum().backward()
+        assert torch.get_num_threads() == 2
+    assert (tiny * 1.0).item() > 0  # denormals survive: flushing was switched off again
+    assert x.grad.abs().sum() > 0
+
+
+def test_graph_without_edges_aggregates_zeros():
+    g = Graph.from_edge_index(torch.zeros(2, 0, dtype=torch.int64), 4)
+    lstm = torch.nn.LSTM(3, 5)
+    x = torch.randn(4, 3, requires_grad=True)
+    out = lstm_aggregate(sequence_plan(g), x, *lstm.parameters(), impl="hoisted")
+    assert out.shape == (4, 5) and not out.any()
 
 
 def test_sequences_follow_the_given_source_ids():

@@ -18,14 +18,23 @@ Three ways compute the same value:
   inputs, the input projection ``W_ih x_j`` computed once per edge).
 - ``hoisted``: WiseGraph's unique-value extraction: ``x W_ih^T + b`` once per source vertex (one
   GEMM over ``N`` rows instead of ``E``), gathered per step; only ``h W_hh^T`` runs per step.
-  The cell is written out in torch ops (autograd through the steps; it saves O(E x 5H) floats,
-  as a fused LSTM does).
+  The recurrence is one autograd function with a hand-written backward: forward activates the
+  gathered ``(E, 4H)`` gate buffer in place (gates reordered i, f, o, g: one sigmoid and one
+  tanh per step) and keeps it with every step's ``c`` and incoming ``h`` (O(E x 6H) floats);
+  backward runs the steps in reverse, then takes ``W_hh``'s gradient as one GEMM over all
+  (row, step) pairs and the projections' gradient as one ``index_add`` over the edges. The
+  nonlinearities stay torch's vectorised ops; the rest of each step's cell update and its gate
+  gradients are single-pass numba kernels (:mod:`tessera.sparse.lstm_kernels`), which measured
+  about 15% less CPU time per aggregation than the same arithmetic as ~20 torch ops a step.
 
-``auto`` is ``hoisted``: on synthetic:small (10k vertices, 100k edges, in-degree max 405), one
-64 -> 64 aggregation, forward + backward, 2 threads, same run: ``packed`` 66.6 s (forward 2.9 s;
-its CPU backward is oneDNN's RNN backward), ``hoisted`` 10.8 s (forward 1.35 s), on a 2-core
-machine at load ~7; a later change (one gather and split instead of a gather per step) brought
-``hoisted`` to 2.0 s at 1 thread.
+``auto`` is ``hoisted``: ``packed``'s CPU backward is oneDNN's RNN backward, 66.6 s for one
+64 -> 64 aggregation on synthetic:small (10k vertices, 100k edges, in-degree max 405) against
+10.8 s for ``hoisted`` written as per-step autograd ops, same run. The steps run on one torch thread whatever the caller's count: they are
+small (71% of synthetic:small's 405 steps advance <= 64 rows) and, on the shared 2-core machine
+of ``benchmarks/results/bench_sage_lstm_speed.md``, two threads made them 5-20x slower (an OpenMP
+barrier per op waits for a descheduled thread). Denormals are flushed while the recurrence runs:
+gradients decaying along long sequences reach the denormal range, where they made the per-step
+GEMMs about 4x slower (0.15 s -> 0.035 s per backward on synthetic:small, 64 wide).
 """
 
 from __future__ import annotations
@@ -37,8 +46,12 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
+from tessera.sparse.lstm_kernels import cell_backward, cell_output, cell_state
+from tessera.threads import flush_denormals, torch_threads
 
 IMPLS = ("auto", "reference", "packed", "hoisted")
+# torch threads of the per-step ops (see the module docstring)
+_STEP_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -116,7 +129,7 @@ def lstm_aggregate(
         )
     run = {"reference": _reference, "packed": _packed}.get(impl, _hoisted)  # auto: measured, see module docstring
     h = run(plan, x, weight_ih, weight_hh, bias_ih, bias_hh)
-    return x.new_zeros(plan.num_rows, hidden).index_copy(0, plan.order, h) if plan.order.numel() else h
+    return x.new_zeros(plan.num_rows, hidden).index_copy(0, plan.order, h)
 
 
 def _reference(plan, x, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
@@ -145,29 +158,88 @@ def _packed(plan, x, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
 
 
 def _hoisted(plan, x, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
-    """Input projection once per source vertex, then one batched recurrent step per sequence position."""
+    """Input projection once per source vertex (gates reordered i, f, o, g), then the recurrence."""
     hidden, rows = w_hh.shape[1], plan.order.numel()
     if not rows:
         return x.new_zeros(0, hidden)
-    proj = x @ w_ih.t()
+    perm = torch.cat(
+        [torch.arange(2 * hidden), torch.arange(3 * hidden, 4 * hidden), torch.arange(2 * hidden, 3 * hidden)]
+    )
+    proj = x @ w_ih[perm].t()
     if b_ih is not None:
-        proj = proj + (b_ih + b_hh)
-    w_hh_t = w_hh.t()
-    # One gather and one split: per-step gathers or slices would each scatter a full-size
-    # gradient in backward (max-degree x N x 4H work).
-    gates = proj.index_select(0, plan.steps).split(plan.batch)
-    done: list[torch.Tensor] = []
-    h = c = None
-    for t, g in enumerate(gates):
-        b = g.shape[0]
-        if t:
-            h, c = h[:b], c[:b]
-            g = torch.addmm(g, h, w_hh_t)
-        i, f, gg, o = g.chunk(4, 1)
-        c = torch.sigmoid(i) * torch.tanh(gg) if t == 0 else torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(gg)
-        h = torch.sigmoid(o) * torch.tanh(c)
-        nxt = plan.batch[t + 1] if t + 1 < len(plan.batch) else 0
-        if nxt < b:
-            done.append(h[nxt:])
-    # rows finishing later are earlier in ``order``
-    return torch.cat(done[::-1])
+        proj = proj + (b_ih + b_hh)[perm]
+    return _Recurrence.apply(proj, w_hh[perm], plan)
+
+
+class _Recurrence(torch.autograd.Function):
+    """The LSTM recurrence over ``plan``'s packed steps from the per-vertex input projections
+    ``proj`` (``(num_cols, 4H)``, gates i, f, o, g), with a hand-written backward.
+
+    Forward gathers every step's projections into one ``(E, 4H)`` buffer and activates it in
+    place, step by step; ``hs`` holds at step ``t``'s slots the ``h_{t-1}`` its rows read, so
+    backward's ``W_hh`` gradient is one GEMM over all steps, and ``proj``'s gradient one
+    ``index_add`` over the edges. The output is in ``plan.order``: the rows finishing at step
+    ``t`` are ``order[batch[t+1]:batch[t]]``."""
+
+    @staticmethod
+    def forward(ctx, proj, w_hh, plan):
+        with flush_denormals():
+            return _Recurrence._forward(ctx, proj, w_hh, plan)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        with flush_denormals():
+            return _Recurrence._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, proj, w_hh, plan):
+        hid, (rows, *_), ptr = w_hh.shape[1], plan.batch, plan.ptr
+        gates = proj.index_select(0, plan.steps)
+        hs = proj.new_empty(gates.shape[0], hid)
+        cs = proj.new_empty(gates.shape[0], hid)
+        out = proj.new_empty(rows, hid)
+        tc = proj.new_empty(rows, hid)
+        w_t = w_hh.t()
+        g_np, cs_np, tc_np, hs_np, out_np = (a.numpy() for a in (gates, cs, tc, hs, out))
+        with torch_threads(_STEP_THREADS):
+            for t, (b, nb) in enumerate(_steps(plan.batch)):
+                g = gates[ptr[t] : ptr[t] + b]
+                if t:
+                    g.addmm_(hs[ptr[t] : ptr[t] + b], w_t)
+                g[:, : 3 * hid].sigmoid_()
+                g[:, 3 * hid :].tanh_()
+                cell_state(g_np, cs_np, ptr[t], ptr[t - 1] if t else -1, b)
+                torch.tanh(cs[ptr[t] : ptr[t] + b], out=tc[:b])
+                cell_output(g_np, tc_np, hs_np, out_np, ptr[t], ptr[t + 1], b, nb)
+        ctx.save_for_backward(gates, hs, cs, w_hh)
+        ctx.plan, ctx.num_cols = plan, proj.shape[0]
+        return out
+
+    @staticmethod
+    def _backward(ctx, dout):
+        gates, hs, cs, w_hh = ctx.saved_tensors
+        plan, hid = ctx.plan, w_hh.shape[1]
+        (rows, *_), ptr = plan.batch, plan.ptr
+        dout = dout.contiguous()
+        dgates = torch.empty_like(gates)
+        dh, dc, tc = (gates.new_empty(rows, hid) for _ in range(3))
+        arrays = [a.numpy() for a in (gates, cs, tc, dgates, dh, dc, dout)]
+        with torch_threads(_STEP_THREADS):
+            for t, (b, nb) in reversed(list(enumerate(_steps(plan.batch)))):
+                torch.tanh(cs[ptr[t] : ptr[t] + b], out=tc[:b])
+                cell_backward(*arrays, ptr[t], ptr[t - 1] if t else -1, b, nb)
+                if t:
+                    torch.mm(dgates[ptr[t] : ptr[t] + b], w_hh, out=dh[:b])
+        dw = dgates[rows:].t().mm(hs[rows:]) if ctx.needs_input_grad[1] else None
+        dproj = None
+        if ctx.needs_input_grad[0]:
+            # torch splits each index_add row over the threads: 2 threads cost 4-5x the CPU time
+            with torch_threads(1):
+                dproj = gates.new_zeros(ctx.num_cols, gates.shape[1]).index_add_(0, plan.steps, dgates)
+        return dproj, dw, None
+
+
+def _steps(batch: list[int]) -> list[tuple[int, int]]:
+    """(rows active at step t, rows still active at t + 1) for every step."""
+    return list(zip(batch, batch[1:] + [0], strict=True))
