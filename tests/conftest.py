@@ -35,3 +35,9 @@ def planetoid_root() -> Path:
             pytest.fail(msg)
         pytest.skip(msg)
     return root
+
+
+@pytest.fixture(scope="module")
+def datasets(planetoid_root):
+    """The distributed tests' graphs: Cora (with its data root) and synthetic:small."""
+    return [("cora", str(planetoid_root.parent)), ("synthetic:small", "")]

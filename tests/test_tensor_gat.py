@@ -91,11 +91,6 @@ def _worker(rank, world, port, datasets, out_dir):
 
 
 @pytest.fixture(scope="module")
-def datasets(planetoid_root):
-    return [("cora", str(planetoid_root.parent)), ("synthetic:small", "")]
-
-
-@pytest.fixture(scope="module")
 def single_process(datasets, tmp_path_factory):
     ref = {}
     with single_thread():
