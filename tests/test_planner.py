@@ -90,6 +90,51 @@ def test_model_picks_tensor_when_every_neighbour_is_remote_and_partition_when_no
     assert plan["choices"][0].startswith("partition:") and plan["layers"][0]["candidates"][0]["model_ms"]["comm"] == 0
 
 
+def test_model_picks_hybrid_when_row_groups_save_the_latency_tensor_pays_and_the_bytes_partition_does():
+    world, width = 4, 8
+    # K_40 in 4 ranges, 1 ms per message: partition sends 30 rows to 3 peers, tensor 6 messages
+    # per pass; hybrid:2 one message each way inside its row group (10 rows x 4 columns) and one
+    # halo message between the two G-parts (20 rows x 4 columns).
+    rates = Rates(edge_s=0.0, value_s=1e-9, gemm_flops=1e15, bandwidth_gbps=1e-3, latency_us=1000.0)
+    part = np.repeat(np.arange(world), 10)
+    plan = model_plan(Context(_complete(40), world, part, StrategyOptions(), rates), _probe([(16, width)]))
+    cands = {c["label"]: c for c in plan["layers"][0]["candidates"]}
+    assert {k for k in cands if k.startswith("hybrid")} == {f"hybrid:2:{m}:32" for m in ("post", "pre", "prepost")}
+    assert plan["choices"][0].startswith("hybrid:2:")
+    assert plan["choices"][0] == min(cands, key=lambda k: cands[k]["modelled_ms"])
+    bw, lat, passes = rates.bandwidth_gbps * 1e9, 1e-3, 1 + cands["tensor:32"]["backward"]
+    a2a = 2 * (10 * 4 * 4 / bw + lat)  # to the column split and back, one peer
+    halo = 20 * 4 * 4 / bw + lat  # post: the other G-part's 20 rows at width 4
+    got = cands["hybrid:2:post:32"]["model_ms"]
+    assert math.isclose(got["comm"], 1e3 * passes * (a2a + halo))
+    # a G-part aggregates its 20 rows' 39 in-edges each, at the column slice's width
+    assert math.isclose(got["aggregate"], 1e3 * passes * 20 * 39 * 4 * rates.value_s)
+    # the modelled bytes are the simulator's (and so the runtime's): hybrid_pair_bytes
+    from tessera.graph.partition.halo import pair_rows
+    from tessera.planner.volume import hybrid_pair_bytes
+
+    halo_rows = pair_rows(_complete(40).indptr.numpy(), _complete(40).indices.numpy(), part // 2, 2, ("post",))["post"]
+    data, _ = hybrid_pair_bytes(np.full(world, 10), halo_rows, 2, width, 32)
+    assert data.sum(axis=1).max() == 2 * 10 * 4 * 4 + 20 * 4 * 4
+    # P = 2 and 3 have no M strictly between 1 and P
+    for p in (2, 3):
+        small = model_plan(
+            Context(_complete(12), p, np.arange(12) * p // 12, StrategyOptions(), rates), _probe([(16, width)])
+        )
+        assert not any(c["kind"] == "hybrid" for c in small["layers"][0]["candidates"])
+
+
+def test_plan_model_only_lists_hybrid_candidates(capsys):
+    from tessera.cli.main import main
+
+    argv = ["plan", "--dataset", "synthetic:tiny", "--nprocs", "4", "--model-only", "--hidden", "16", "--json"]
+    assert main(argv) == 0
+    rec = json.loads(capsys.readouterr().out)
+    for layer in rec["layers"]:
+        labels = {c["label"] for c in layer["candidates"]}
+        assert {"hybrid:2:post:32", "hybrid:2:pre:32", "hybrid:2:prepost:32"} <= labels
+
+
 def test_rank_grouping_terms_and_memory_limit():
     g = load("synthetic:tiny")
     indptr, indices = g.indptr.numpy(), g.indices.numpy()
