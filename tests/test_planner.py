@@ -124,6 +124,22 @@ def test_model_picks_hybrid_when_row_groups_save_the_latency_tensor_pays_and_the
         assert not any(c["kind"] == "hybrid" for c in small["layers"][0]["candidates"])
 
 
+def test_prune_keeps_each_familys_modelled_best_up_to_the_limit():
+    from tessera.planner.candidates import layer_candidates, prune
+
+    rates = Rates(edge_s=0.0, value_s=1e-9, gemm_flops=1e15, bandwidth_gbps=1e-3, latency_us=1000.0)
+    ctx = Context(_complete(40), 4, np.repeat(np.arange(4), 10), StrategyOptions(), rates)
+    cands = layer_candidates(ctx, {False: LayerSpec(16, 8, 8, aggregates_first=False)}, False, False)
+    assert len(prune(cands, float("inf"))) == len(cands) == 7  # 3 partition modes, tensor, 3 hybrid:2 modes
+    kept = prune(cands, float("inf"), 3)
+    firsts = {}
+    for c in cands:  # sorted: the first of each kind is its family's best
+        firsts.setdefault(c["kind"], c["label"])
+    assert [c["label"] for c in kept] == list(firsts.values())
+    assert [c["label"] for c in prune(cands, float("inf"), 2)] == list(firsts.values())[:2]
+    assert prune(cands, 1.0, 3)[0] is cands[0]  # factor 1: the best (and only its exact ties)
+
+
 def test_plan_model_only_lists_hybrid_candidates(capsys):
     from tessera.cli.main import main
 
