@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_strategies import ROOT, run_once
+from bench_strategies import ROOT, run_once, run_parser
 
 MIXED = ("tensor,partition:prepost", "partition:prepost,tensor")
 
@@ -131,16 +131,7 @@ def report(args, runs: dict, plans: dict, walls: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run every assignment and auto at each P; print (and optionally write) the tables."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dataset", default="synthetic:arxiv")
-    p.add_argument("--model", default="gcn")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--md", default=None, help="also write the tables here")
-    args = p.parse_args(argv)
+    args = run_parser(__doc__, epochs=5).parse_args(argv)
     args.load_start = os.getloadavg()[0]
     runs, walls, plans = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
