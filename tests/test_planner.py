@@ -191,8 +191,15 @@ def _worker(rank, world, port, out_dir):
         probe = model_probe(build_model("gcn", g.num_features, 8, g.num_classes, 2), cfg)
         for run in ("first", "again"):
             before = len(measured)
-            rec, _ = planner.plan_layers(comm, g, StrategyOptions(), probe, factor=float("inf"))
-            out[run] = {"source": rec["source"], "measured": len(measured) - before, "layers": rec["layers"]}
+            rec, pool = planner.plan_layers(comm, g, StrategyOptions(), probe, factor=float("inf"))
+            log = pool.get(planner.plan_choices(rec)[0]).log  # None: nothing sharded (a cached plan)
+            logged = log.gather(comm)["bytes_data"] if log is not None else 0
+            out[run] = {
+                "source": rec["source"],
+                "measured": len(measured) - before,
+                "layers": rec["layers"],
+                "logged": int(torch.tensor(logged).sum()),
+            }
         cfg.out = str(Path(out_dir) / f"train-{world}")
         t = Trainer(cfg, g, comm)
         t.fit()
@@ -223,6 +230,7 @@ def test_measured_plan_agrees_on_all_ranks_is_cached_per_world_and_trains_exactl
     # every candidate measured (no pruning), on every rank, in the same order
     n_cands = sum(len(la["candidates"]) for la in first["layers"])
     assert first["source"] == "measured" and first["measured"] == n_cands
+    assert first["logged"] == 0  # the measured steps' traffic is not counted as the run's
     assert all(c["measured_ms"] > 0 for la in first["layers"] for c in la["candidates"])
     for la in first["layers"]:
         assert la["choice"] == min(la["candidates"], key=lambda c: c["measured_ms"])["label"]

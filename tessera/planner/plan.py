@@ -169,6 +169,9 @@ def measure_candidate(
     shard = pool.shard(choice, graph)
     spec = probe.spec(layer, probe.placements[layer][0] if choice.aggregate_first is None else choice.aggregate_first)
     operand = pool.get(choice).operand(spec, layer)
+    log = pool.get(choice).log
+    if log is not None:
+        log.start_forward("plan")  # not training traffic: the run's log counts training passes only
     gen = torch.Generator().manual_seed(1000 + layer)
     n = shard.ids.numel()
     with torch.no_grad():  # builds what the operand makes on first use (normalisation, plans)
