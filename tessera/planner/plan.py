@@ -5,8 +5,8 @@ all ranks measured together: :mod:`tessera.planner.calibrate`), keeps those with
 of each layer's modelled best (of each family, the strategy with its options but the
 ``--remote-agg`` mode, only the modelled best, and at most ``MAX_MEASURED`` of them), and
 broadcasts them. A layer with one survivor takes it unmeasured; otherwise all ranks shard each
-survivor's strategy (one row split for all) and run one untimed forward and ``STEPS`` timed
-forward + backward steps of that layer alone under it, in the same order; rank 0 picks each
+survivor's strategy (one row split for all) and run one untimed and ``STEPS`` timed forward +
+backward steps of that layer alone under it, in the same order; rank 0 picks each
 layer's fastest (the slowest rank's least step) and broadcasts the plan, so every rank trains
 the same one. The record's ``timing_s`` splits the planning time into calibration, modelling,
 sharding and steps. The plan is cached as JSON by graph
@@ -39,7 +39,7 @@ from tessera.sparse import LayerSpec, Operand
 
 PLAN_VERSION = 1
 PRUNE_FACTOR = 1.5
-STEPS = 1  # timed steps per measured candidate, after one untimed forward
+STEPS = 1  # timed steps per measured candidate, after an untimed one
 MAX_MEASURED = 3  # candidates measured per layer (every one with --measure-all)
 
 
@@ -174,16 +174,15 @@ def measure_candidate(
         log.start_forward("plan")  # not training traffic: the run's log counts training passes only
     gen = torch.Generator().manual_seed(1000 + layer)
     n = shard.ids.numel()
-    with torch.no_grad():  # builds what the operand makes on first use (normalisation, plans)
-        probe.forward(layer, choice.aggregate_first, operand, torch.randn(n, spec.in_width, generator=gen))
     times = []
-    for _ in range(STEPS):
+    for _ in range(1 + STEPS):  # the untimed first builds what the operand makes on first use
         x = torch.randn(n, spec.in_width, generator=gen).requires_grad_(layer > 0 or probe.input_grad)
         comm.barrier()
         t0 = time.perf_counter()
         out = probe.forward(layer, choice.aggregate_first, operand, x)
         out.backward(torch.ones_like(out))
         times.append(time.perf_counter() - t0)
+    times = times[1:]
     t = torch.tensor([min(times)], dtype=torch.float64)
     if comm.world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
