@@ -45,19 +45,25 @@ def run_once(args: argparse.Namespace, strategy: str, procs: int, out: Path) -> 
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the grid and print (and optionally write) the markdown table."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_parser(doc: str, epochs: int) -> argparse.ArgumentParser:
+    """The options every training run of a benchmark takes (:func:`run_once`), ``--procs`` and ``--md``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--dataset", default="synthetic:arxiv")
     p.add_argument("--model", default="gcn")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--procs", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--strategies", nargs="+", default=["partition", "tensor"])
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--timeout", type=float, default=1800.0)
-    p.add_argument("--md", default=None, help="also write the table here")
+    p.add_argument("--md", default=None, help="also write the tables here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the grid and print (and optionally write) the markdown table."""
+    p = run_parser(__doc__, epochs=10)
+    p.add_argument("--strategies", nargs="+", default=["partition", "tensor"])
+    p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
     cells = [("single", 1)] + [(s, n) for n in args.procs for s in args.strategies]
     results: dict[tuple[str, int], list[dict]] = {c: [] for c in cells}

@@ -16,15 +16,22 @@ from tessera.datasets import load
 from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer
 
-EPOCHS = 3
+EPOCHS = 2
 WORLDS = (2, 3, 4)
 # Mixed strategies, mixed remote-aggregation modes, explicit bits, and both operation placements
-# flipped against the layers' own (GCN 1433 -> 16 -> 7 and 64 -> 16 -> 4 transform first).
+# flipped against the layers' own (GCN 1433 -> 16 -> 7 on Cora, 16 -> 16 -> 4 on synthetic:tiny); at
+# P = 4 also a hybrid layer before a tensor one.
 ASSIGNMENTS = (
     "tensor,partition:prepost",
     "partition:pre:32,partition:post",
     "partition:post@aggregate-first,tensor@aggregate-first",
 )
+# hybrid:2 needs an even P above 2
+EXTRA = {4: ("hybrid:2:pre,tensor",)}
+
+
+def _assignments(world):
+    return ASSIGNMENTS + EXTRA.get(world, ())
 
 
 def _config(dataset, strategy, out):
@@ -54,7 +61,7 @@ def _worker(rank, world, port, datasets, out_dir):
             if root:
                 os.environ["TESSERA_DATA"] = root
             g = load(ds)
-            for assignment in ASSIGNMENTS:
+            for assignment in _assignments(world):
                 t = Trainer(_config(ds, assignment, Path(out_dir) / f"{world}-{ds}-{assignment}"), g, comm)
                 t.fit()
                 specs = t.model.describe()
@@ -72,7 +79,7 @@ def _worker(rank, world, port, datasets, out_dir):
 
 @pytest.fixture(scope="module")
 def datasets(planetoid_root):
-    return [("cora", str(planetoid_root.parent)), ("synthetic:small", "")]
+    return [("cora", str(planetoid_root.parent)), ("synthetic:tiny", "")]
 
 
 @pytest.fixture(scope="module")
@@ -96,25 +103,31 @@ def group_runs(datasets, single_process, tmp_path_factory):
 
 
 @functools.cache
-def _split(ds, world):
+def _split(ds, world, groups=1):
+    """Pair rows of every mode among the G-parts of ``groups`` consecutive parts, and rows per rank."""
     from tessera.graph.partition import partition
     from tessera.graph.partition.halo import pair_rows
 
     g = load(ds)
     part = partition(g, world, "metis", 0)
-    return pair_rows(g.indptr.numpy(), g.indices.numpy(), part, world), np.bincount(part, minlength=world).tolist()
+    rows = pair_rows(g.indptr.numpy(), g.indices.numpy(), part // groups, world // groups)
+    return rows, np.bincount(part, minlength=world).tolist()
 
 
 def _expected_bytes(ds, assignment, world, res):
     """Bytes per layer and direction the layer's own strategy sends (the simulator's functions)."""
     from tessera.parallel.mixed import parse_strategy
-    from tessera.planner.volume import tensor_pair_bytes
+    from tessera.planner.volume import hybrid_pair_bytes, tensor_pair_bytes
 
     rows, counts = _split(ds, world)
     out = []
     for choice, width, back in zip(parse_strategy(assignment, 2), res["widths"], res["backward"]):
+        o = dict(choice.overrides)
         if choice.strategy == "tensor":
             one = int(tensor_pair_bytes(counts, width, 32)[0].sum())
+        elif choice.strategy == "hybrid":
+            halo = _split(ds, world, o["groups"])[0][o["remote_agg"]]
+            one = int(hybrid_pair_bytes(counts, halo, o["groups"], width, 32)[0].sum())
         else:
             one = int(rows[dict(choice.overrides).get("remote_agg", "prepost")].sum()) * width * 4
         out.append([EPOCHS * one, EPOCHS * one if back else 0])
@@ -126,7 +139,7 @@ def test_mixed_assignments_match_single_process_and_send_their_strategies_bytes(
     world, group_runs, datasets, single_process
 ):
     runs = group_runs[(world, 0)]
-    assert len(runs) == len(datasets) * len(ASSIGNMENTS)
+    assert len(runs) == len(datasets) * len(_assignments(world))
     for key, res in runs.items():
         ds, assignment = key.split("|")
         got, want = torch.tensor(res["loss"]), torch.tensor(single_process[ds])

@@ -90,6 +90,67 @@ def test_model_picks_tensor_when_every_neighbour_is_remote_and_partition_when_no
     assert plan["choices"][0].startswith("partition:") and plan["layers"][0]["candidates"][0]["model_ms"]["comm"] == 0
 
 
+def test_model_picks_hybrid_when_row_groups_save_the_latency_tensor_pays_and_the_bytes_partition_does():
+    world, width = 4, 8
+    # K_40 in 4 ranges, 1 ms per message: partition sends 30 rows to 3 peers, tensor 6 messages
+    # per pass; hybrid:2 one message each way inside its row group (10 rows x 4 columns) and one
+    # halo message between the two G-parts (20 rows x 4 columns).
+    rates = Rates(edge_s=0.0, value_s=1e-9, gemm_flops=1e15, bandwidth_gbps=1e-3, latency_us=1000.0)
+    part = np.repeat(np.arange(world), 10)
+    plan = model_plan(Context(_complete(40), world, part, StrategyOptions(), rates), _probe([(16, width)]))
+    cands = {c["label"]: c for c in plan["layers"][0]["candidates"]}
+    assert {k for k in cands if k.startswith("hybrid")} == {f"hybrid:2:{m}:32" for m in ("post", "pre", "prepost")}
+    assert plan["choices"][0].startswith("hybrid:2:")
+    assert plan["choices"][0] == min(cands, key=lambda k: cands[k]["modelled_ms"])
+    bw, lat, passes = rates.bandwidth_gbps * 1e9, 1e-3, 1 + cands["tensor:32"]["backward"]
+    a2a = 2 * (10 * 4 * 4 / bw + lat)  # to the column split and back, one peer
+    halo = 20 * 4 * 4 / bw + lat  # post: the other G-part's 20 rows at width 4
+    got = cands["hybrid:2:post:32"]["model_ms"]
+    assert math.isclose(got["comm"], 1e3 * passes * (a2a + halo))
+    # a G-part aggregates its 20 rows' 39 in-edges each, at the column slice's width
+    assert math.isclose(got["aggregate"], 1e3 * passes * 20 * 39 * 4 * rates.value_s)
+    # the modelled bytes are the simulator's (and so the runtime's): hybrid_pair_bytes
+    from tessera.graph.partition.halo import pair_rows
+    from tessera.planner.volume import hybrid_pair_bytes
+
+    halo_rows = pair_rows(_complete(40).indptr.numpy(), _complete(40).indices.numpy(), part // 2, 2, ("post",))["post"]
+    data, _ = hybrid_pair_bytes(np.full(world, 10), halo_rows, 2, width, 32)
+    assert data.sum(axis=1).max() == 2 * 10 * 4 * 4 + 20 * 4 * 4
+    # P = 2 and 3 have no M strictly between 1 and P
+    for p in (2, 3):
+        small = model_plan(
+            Context(_complete(12), p, np.arange(12) * p // 12, StrategyOptions(), rates), _probe([(16, width)])
+        )
+        assert not any(c["kind"] == "hybrid" for c in small["layers"][0]["candidates"])
+
+
+def test_prune_keeps_each_familys_modelled_best_up_to_the_limit():
+    from tessera.planner.candidates import layer_candidates, prune
+
+    rates = Rates(edge_s=0.0, value_s=1e-9, gemm_flops=1e15, bandwidth_gbps=1e-3, latency_us=1000.0)
+    ctx = Context(_complete(40), 4, np.repeat(np.arange(4), 10), StrategyOptions(), rates)
+    cands = layer_candidates(ctx, {False: LayerSpec(16, 8, 8, aggregates_first=False)}, False, False)
+    assert len(prune(cands, float("inf"))) == len(cands) == 7  # 3 partition modes, tensor, 3 hybrid:2 modes
+    kept = prune(cands, float("inf"), 3)
+    firsts = {}
+    for c in cands:  # sorted: the first of each kind is its family's best
+        firsts.setdefault(c["kind"], c["label"])
+    assert [c["label"] for c in kept] == list(firsts.values())
+    assert [c["label"] for c in prune(cands, float("inf"), 2)] == list(firsts.values())[:2]
+    assert prune(cands, 1.0, 3)[0] is cands[0]  # factor 1: the best (and only its exact ties)
+
+
+def test_plan_model_only_lists_hybrid_candidates(capsys):
+    from tessera.cli.main import main
+
+    argv = ["plan", "--dataset", "synthetic:tiny", "--nprocs", "4", "--model-only", "--hidden", "16", "--json"]
+    assert main(argv) == 0
+    rec = json.loads(capsys.readouterr().out)
+    for layer in rec["layers"]:
+        labels = {c["label"] for c in layer["candidates"]}
+        assert {"hybrid:2:post:32", "hybrid:2:pre:32", "hybrid:2:prepost:32"} <= labels
+
+
 def test_rank_grouping_terms_and_memory_limit():
     g = load("synthetic:tiny")
     indptr, indices = g.indptr.numpy(), g.indices.numpy()
@@ -130,8 +191,15 @@ def _worker(rank, world, port, out_dir):
         probe = model_probe(build_model("gcn", g.num_features, 8, g.num_classes, 2), cfg)
         for run in ("first", "again"):
             before = len(measured)
-            rec, _ = planner.plan_layers(comm, g, StrategyOptions(), probe, factor=float("inf"))
-            out[run] = {"source": rec["source"], "measured": len(measured) - before, "layers": rec["layers"]}
+            rec, pool = planner.plan_layers(comm, g, StrategyOptions(), probe, factor=float("inf"))
+            log = pool.get(planner.plan_choices(rec)[0]).log  # None: nothing sharded (a cached plan)
+            logged = log.gather(comm)["bytes_data"] if log is not None else 0
+            out[run] = {
+                "source": rec["source"],
+                "measured": len(measured) - before,
+                "layers": rec["layers"],
+                "logged": int(torch.tensor(logged).sum()),
+            }
         cfg.out = str(Path(out_dir) / f"train-{world}")
         t = Trainer(cfg, g, comm)
         t.fit()
@@ -162,6 +230,7 @@ def test_measured_plan_agrees_on_all_ranks_is_cached_per_world_and_trains_exactl
     # every candidate measured (no pruning), on every rank, in the same order
     n_cands = sum(len(la["candidates"]) for la in first["layers"])
     assert first["source"] == "measured" and first["measured"] == n_cands
+    assert first["logged"] == 0  # the measured steps' traffic is not counted as the run's
     assert all(c["measured_ms"] > 0 for la in first["layers"] for c in la["candidates"])
     for la in first["layers"]:
         assert la["choice"] == min(la["candidates"], key=lambda c: c["measured_ms"])["label"]

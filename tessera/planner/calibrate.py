@@ -22,7 +22,7 @@ from tessera.graph.csr import CSRMatrix
 from tessera.planner.model import DEFAULT_QUANT_GBPS, CommModel
 
 _WIDTHS = (8, 64)
-_REPS = 3
+_REPS = 1
 
 
 @dataclass(frozen=True)

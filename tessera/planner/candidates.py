@@ -12,7 +12,10 @@ for one training step of the layer, on the slowest rank, is
     comm        SuperGCN Eq. 2/6 over the exact blocks the runtime sends (planner/model.py).
 
 A kind (:class:`CandidateKind`) lists its choices for a layer and models the last two terms;
-``register_kind`` adds one (``hybrid(M)`` will be one entry with its own cost function).
+``register_kind`` adds one. ``hybrid(M)`` (M column groups of G = P / M ranks, M dividing P with
+1 < M < P) costs each row group's all-to-alls at the layer's width (the tensor kind's, over its
+M members' rows) plus its column group's halo exchange and aggregation over the G-way split
+(the partition kind's, at the widest column slice D / M): the blocks ``hybrid_volumes`` counts.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from tessera.graph import Graph
 from tessera.graph.csr import rows_of
 from tessera.graph.partition.halo import MODES, pair_rows
 from tessera.parallel.base import StrategyOptions
+from tessera.parallel.hybrid import hybrid_layout
 from tessera.parallel.mixed import LayerChoice
+from tessera.parallel.tensor import column_bounds
 from tessera.planner.calibrate import Rates
 from tessera.planner.grouping import all_to_all_time
 from tessera.planner.model import exchange_time
@@ -61,6 +66,14 @@ class Context:
             count = lambda a: np.bincount(a, minlength=self.world).astype(np.float64)  # noqa: E731
             self._memo["edges"] = {"local": count(pd[~cut]), "cut_in": count(pd[cut]), "cut_out": count(ps[cut])}
         return self._memo["edges"]
+
+    def grouped(self, groups: int) -> Context:
+        """The same graph over hybrid(``groups``)'s G-parts (``part // groups``, G = world / groups ranks)."""
+        key = f"grouped-{groups}"
+        if key not in self._memo:
+            g = self.world // groups
+            self._memo[key] = Context(self.graph, g, self.part // groups, self.options, self.rates, self.bits)
+        return self._memo[key]
 
     def pair_rows(self, mode: str) -> np.ndarray:
         """Rows rank ``p`` sends rank ``q`` per exchange under ``mode`` (the runtime's plans' counts)."""
@@ -131,8 +144,40 @@ def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
     }
 
 
+# ---------------------------------------------------------------------------------------- hybrid
+def _hybrid_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
+    if spec.edge_values:
+        return []
+    groups = [m for m in range(2, ctx.world) if ctx.world % m == 0]
+    return [
+        LayerChoice("hybrid", (("comm_bits", b), ("groups", m), ("remote_agg", mode)))
+        for m in groups
+        for mode in MODES
+        for b in ctx.bits
+    ]
+
+
+def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> dict[str, float]:
+    o = choice.options(ctx.options)
+    w, passes, m = spec.aggregate_width, 1 + backward, ctx.rates.comm()
+    sub = ctx.grouped(o.groups)
+    widest = int(np.diff(column_bounds(w, o.groups)).max())
+    rows = sub.pair_rows(o.remote_agg)
+    halo = exchange_time(rows, widest, o.comm_bits, m)["time_s"]
+    if backward:
+        halo += exchange_time(rows.T, widest, o.comm_bits, m)["time_s"]
+    key = f"all_to_all-{o.groups}-{w}-{o.comm_bits}-{o.pipeline_stages}"
+    if key not in ctx._memo:  # the same for every mode; row groups of the same row counts cost the same
+        groups = {tuple(sorted(ctx.counts[members])) for members in hybrid_layout(ctx.world, o.groups)}
+        ctx._memo[key] = max(all_to_all_time(list(c), w, o.comm_bits, m, o.pipeline_stages) for c in groups)
+    a2a = ctx._memo[key]
+    work = partition_work(sub, o.remote_agg).max()
+    return {"aggregate_s": passes * ctx.rates.aggregate_s(work, widest), "comm_s": halo + passes * a2a}
+
+
 register_kind(CandidateKind("partition", _partition_choices, _partition_cost))
 register_kind(CandidateKind("tensor", _tensor_choices, _tensor_cost))
+register_kind(CandidateKind("hybrid", _hybrid_choices, _hybrid_cost))
 
 
 # ---------------------------------------------------------------------------------------- a layer
@@ -171,7 +216,19 @@ def layer_candidates(
     return sorted(out, key=lambda c: c["modelled_s"])
 
 
-def prune(candidates: list[dict[str, Any]], factor: float) -> list[dict[str, Any]]:
-    """The candidates modelled within ``factor`` of the best."""
+def prune(candidates: list[dict[str, Any]], factor: float, limit: int | None = None) -> list[dict[str, Any]]:
+    """The candidates modelled within ``factor`` of the best; with ``limit``, only the modelled
+    best of each family (the same strategy, options and placement but the ``--remote-agg``
+    mode, whose exact bytes and work the model ranks better than a few noisy steps can) and at
+    most ``limit`` of them, best first (``candidates`` are sorted)."""
     best = min(c["modelled_s"] for c in candidates)
-    return [c for c in candidates if c["modelled_s"] <= factor * best]
+    kept = [c for c in candidates if c["modelled_s"] <= factor * best]
+    if limit is None:
+        return kept
+    families: dict[tuple, dict[str, Any]] = {}
+    for c in kept:
+        ch = c["choice"]
+        families.setdefault(
+            (ch.strategy, tuple(o for o in ch.overrides if o[0] != "remote_agg"), ch.aggregate_first), c
+        )
+    return list(families.values())[:limit]

@@ -2,10 +2,14 @@
 
 Rank 0 models every candidate of every layer (:mod:`tessera.planner.candidates`, on constants
 all ranks measured together: :mod:`tessera.planner.calibrate`), keeps those within ``factor``
-of each layer's modelled best, and broadcasts them; all ranks then shard each survivor's
-strategy (one row split for all) and run a few forward + backward steps of the layer under it,
-in the same order; rank 0 picks each layer's fastest (the slowest rank's median step) and
-broadcasts the plan, so every rank trains the same one. The plan is cached as JSON by graph
+of each layer's modelled best (of each family, the strategy with its options but the
+``--remote-agg`` mode, only the modelled best, and at most ``MAX_MEASURED`` of them), and
+broadcasts them. A layer with one survivor takes it unmeasured; otherwise all ranks shard each
+survivor's strategy (one row split for all) and run one untimed and ``STEPS`` timed forward +
+backward steps of that layer alone under it, in the same order; rank 0 picks each
+layer's fastest (the slowest rank's least step) and broadcasts the plan, so every rank trains
+the same one. The record's ``timing_s`` splits the planning time into calibration, modelling,
+sharding and steps. The plan is cached as JSON by graph
 fingerprint, model, world size and the options it was measured with (``$TESSERA_CACHE/plans``),
 so a later run reuses it without measuring.
 """
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -36,7 +39,8 @@ from tessera.sparse import LayerSpec, Operand
 
 PLAN_VERSION = 1
 PRUNE_FACTOR = 1.5
-WARMUP, STEPS = 1, 3
+STEPS = 1  # timed steps per measured candidate, after an untimed one
+MAX_MEASURED = 3  # candidates measured per layer (every one with --measure-all)
 
 
 @dataclass
@@ -120,7 +124,8 @@ def modelled_layers(
     each layer's ``choice`` is its modelled best until measured."""
     layers, survivors = [], []
     for i, cands in enumerate(model_layers(ctx, probe)):
-        keep = {c["label"] for c in (prune(cands, factor) if measure else cands[:1])}
+        limit = None if factor == float("inf") else MAX_MEASURED
+        keep = {c["label"] for c in (prune(cands, factor, limit) if measure else cands[:1])}
         rows = [_public(c) for c in cands]
         for r in rows:
             r["survived"] = r["label"] in keep
@@ -159,23 +164,26 @@ def _public(c: dict[str, Any]) -> dict[str, Any]:
 def measure_candidate(
     comm: Comm, pool: StrategyPool, graph: Graph, probe: LayerProbe, layer: int, choice: LayerChoice
 ) -> float:
-    """Median over a few steps of the slowest rank's forward + backward of ``layer`` under
+    """Least of ``STEPS`` steps of the slowest rank's forward + backward of ``layer`` under
     ``choice`` (every rank calls it with the same arguments, in the same order)."""
     shard = pool.shard(choice, graph)
     spec = probe.spec(layer, probe.placements[layer][0] if choice.aggregate_first is None else choice.aggregate_first)
     operand = pool.get(choice).operand(spec, layer)
+    log = pool.get(choice).log
+    if log is not None:
+        log.start_forward("plan")  # not training traffic: the run's log counts training passes only
     gen = torch.Generator().manual_seed(1000 + layer)
     n = shard.ids.numel()
     times = []
-    for step in range(WARMUP + STEPS):
+    for _ in range(1 + STEPS):  # the untimed first builds what the operand makes on first use
         x = torch.randn(n, spec.in_width, generator=gen).requires_grad_(layer > 0 or probe.input_grad)
         comm.barrier()
         t0 = time.perf_counter()
         out = probe.forward(layer, choice.aggregate_first, operand, x)
         out.backward(torch.ones_like(out))
-        if step >= WARMUP:
-            times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        times.append(time.perf_counter() - t0)
+    times = times[1:]
+    t = torch.tensor([min(times)], dtype=torch.float64)
     if comm.world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
@@ -198,6 +206,8 @@ def plan_layers(
     strategies it sharded (to train with, unsharded again for none). ``bits`` are the exchange
     widths to consider (default: the run's); ``measure`` False decides from the model alone;
     ``rates`` skips calibration (for the model alone)."""
+    if comm.world > 1:
+        comm.barrier()  # peers still loading their data are not planning
     t0 = time.perf_counter()
     bits = tuple(bits or (options.comm_bits,))
     key = cache_key(graph, comm.world, options, probe, bits, factor if measure else 0.0)
@@ -209,6 +219,7 @@ def plan_layers(
         return cached, pool
     if rates is None:
         rates = calibrate(graph, comm, options.backend)
+    t_cal = time.perf_counter()
     part = row_split(graph, comm, options)
     layers: list[dict[str, Any]] = []
     survivors: list[list[str]] = []
@@ -217,11 +228,18 @@ def plan_layers(
             Context(graph, comm.world, part, options, rates, bits), probe, factor, measure
         )
     layers, survivors = broadcast_json(comm, [layers, survivors])
+    timing = {"calibrate": t_cal - t0, "model": time.perf_counter() - t_cal, "shard": 0.0, "steps": 0.0}
     for i, labels in enumerate(survivors):
         if measure and len(labels) > 1:
             for c in layers[i]["candidates"]:
                 if c["label"] in labels:
-                    c["measured_ms"] = 1e3 * measure_candidate(comm, pool, graph, probe, i, parse_entry(c["label"]))
+                    choice = parse_entry(c["label"])
+                    t1 = time.perf_counter()
+                    pool.shard(choice, graph)
+                    t2 = time.perf_counter()
+                    c["measured_ms"] = 1e3 * measure_candidate(comm, pool, graph, probe, i, choice)
+                    timing["shard"] += t2 - t1
+                    timing["steps"] += time.perf_counter() - t2
         timed = [c for c in layers[i]["candidates"] if c["measured_ms"] is not None]
         best = min(timed, key=lambda c: c["measured_ms"]) if timed else layers[i]["candidates"][0]
         layers[i]["choice"] = best["label"]
@@ -233,6 +251,7 @@ def plan_layers(
         "world": comm.world,
         "factor": factor,
         "measured": measure,
+        "timing_s": timing,
     }
     rec = broadcast_json(comm, rec)  # rank 0's decision, on every rank
     if comm.rank == 0 and use_cache:
