@@ -346,6 +346,7 @@ def format_hybrid_table(runs: list[dict[str, Any]]) -> str:
                     f"{v['max_rank_bytes'] / 1e6:>11.3f} "
                     + (f"{pb / 1e6:>13.3f} {v['bytes'] / pb:>16.2f}x" if pb else f"{'-':>13} {'-':>17}")
                 )
+    return "\n".join(lines)
 
 
 def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, out_dim: int) -> list[dict[str, Any]]:

@@ -39,14 +39,14 @@ _RESUME_KEYS = (
     "layers",
     "dropout",
     "heads",
-    "num_bases",
-    "num_blocks",
     "lr",
     "weight_decay",
     "seed",
     "feature_norm",
     "patience",
 )
+# Settings added since checkpoints were first written: one without them had the defaults
+_RESUME_KEYS_SINCE = ("num_bases", "num_blocks")
 
 
 def peak_rss_mb() -> float:
@@ -183,8 +183,9 @@ class Trainer:
                 f"checkpoint in {self.out} was written for a different graph; use another --out or drop --resume"
             )
         old = ckpt["config"]
-        for k in _RESUME_KEYS:
-            if old.get(k) != getattr(self.cfg, k):
+        defaults = TrainConfig()
+        for k in (*_RESUME_KEYS, *_RESUME_KEYS_SINCE):
+            if old.get(k, getattr(defaults, k)) != getattr(self.cfg, k):
                 raise ConfigError(
                     f"checkpoint in {self.out} has {k}={old.get(k)!r} but this run has {getattr(self.cfg, k)!r}; "
                     "use the same settings or another --out"
