@@ -205,7 +205,8 @@ def _campaign(root: str, seed: int) -> dict:
     report["final_files"] = sorted(os.listdir(out))
 
     def dist(out: Path, extra=()) -> list[str]:
-        return run(out, ["--nprocs", "2", "--epochs", "12", *extra])
+        # A fixed strategy: --strategy auto's plan is measured, so two runs may choose differently
+        return run(out, ["--nprocs", "2", "--strategy", "partition", "--epochs", "12", *extra])
 
     report["dist_reference"] = _distributed(dist(root_p / "dref"))
     dk = root_p / "dkilled"
@@ -222,7 +223,7 @@ def _campaign(root: str, seed: int) -> dict:
     shutil.copy(DATA / "checkpoint-gcn-tiny-s3-epoch4.pt", old / "checkpoint.pt")
     # The settings it was written with (the defaults, seed 3), now on two ranks.
     old_args = ["train", "--dataset", "synthetic:tiny", "--seed", "3", "--epochs", "6", "--checkpoint-every", "2"]
-    old_args += ["--nprocs", "2", "--threads", "1", "--timeout", "60", "--no-progress"]
+    old_args += ["--nprocs", "2", "--strategy", "partition", "--threads", "1", "--timeout", "60", "--no-progress"]
     report["old_resume"] = _distributed([*old_args, "--out", str(old), "--resume"], err=str(root_p / "old.err"))
     report["old_stderr"] = (root_p / "old.err").read_text()
     return report

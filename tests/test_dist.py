@@ -216,7 +216,7 @@ def test_torchrun_runs_the_same_command(tmp_path):
     ("extra", "message"),
     [
         (["--model", "gat", "--strategy", "tensor", "--pipeline-stages", "2"], "not gat"),
-        (["--strategy", "nosuch"], "--strategy must be"),
+        (["--strategy", "nosuch"], "unknown --strategy entry"),
     ],
 )
 def test_unsupported_distributed_settings_are_a_clear_error(tmp_path, extra, message):
