@@ -84,11 +84,11 @@ def test_a_modified_input_is_aggregated_again():
     assert not torch.equal(first, second)
 
 
-def _config(strategy: str, out) -> TrainConfig:
+def _config(strategy: str, model: str, out) -> TrainConfig:
     return TrainConfig(
         strategy=strategy,
         dataset="synthetic:tiny",
-        model="gcn",
+        model=model,
         hidden=32,
         dropout=0.0,
         epochs=EPOCHS,
@@ -100,6 +100,10 @@ def _config(strategy: str, out) -> TrainConfig:
     )
 
 
+STRATEGIES = ("partition", "tensor")
+WORLDS = (2, 3, 4)
+
+
 def _worker(rank, world, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     from tessera.comm.group import init_from_env, shutdown
@@ -109,36 +113,46 @@ def _worker(rank, world, port, out_dir):
     comm = init_from_env(120)
     try:
         g = load("synthetic:tiny")
-        for strategy in ("partition", "tensor"):
-            t = Trainer(_config(strategy, os.path.join(out_dir, f"{world}-{strategy}")), g, comm)
-            t.fit()
-            if rank == 0:
-                per_epoch = [[sum(map(sum, d)) for d in h["comm"]["bytes_data"][0]] for h in t.history]
-                losses = [h["train_loss"] for h in t.history]
-                torch.save({"losses": losses, "layer0": per_epoch, "totals": t.comm_totals}, f"{out_dir}/{strategy}.pt")
+        for strategy in STRATEGIES:
+            for model in MODELS:
+                t = Trainer(_config(strategy, model, os.path.join(out_dir, f"{world}-{strategy}-{model}")), g, comm)
+                t.fit()
+                if rank == 0:
+                    per_epoch = [[sum(map(sum, d)) for d in h["comm"]["bytes_data"][0]] for h in t.history]
+                    losses = [h["train_loss"] for h in t.history]
+                    res = {"losses": losses, "layer0": per_epoch, "totals": t.comm_totals}
+                    torch.save(res, f"{out_dir}/{world}-{strategy}-{model}.pt")
     finally:
         shutdown()
 
 
 def test_distributed_layer_zero_exchanges_in_the_first_epoch_only(tmp_path):
+    # Dropout 0 at N = 2, 3, 4: the same losses as one process, and layer 0's aggregation (of the
+    # constant raw features) exchanges in the first epoch only, as tessera simulate --dropout 0 says
     from tessera.planner.volume import simulate_volumes, tensor_volumes
 
     g = load("synthetic:tiny")
-    single = Trainer(_config("partition", tmp_path / "single"), g)  # one process
-    single.fit()
-    spawn_groups(_worker, [2], (str(tmp_path),))
-    specs = build_model("gcn", g.num_features, 32, g.num_classes, 2, dropout=0.0).describe()
-    for strategy in ("partition", "tensor"):
-        r = torch.load(tmp_path / f"{strategy}.pt")
-        assert r["losses"] == pytest.approx([h["train_loss"] for h in single.history], abs=1e-5)
-        first, *later = r["layer0"]  # layer 0's [forward, backward] data bytes per epoch
-        assert first[0] > 0 and all(e == [0, 0] for e in later), r["layer0"]
-        if strategy == "tensor":
-            steady = tensor_volumes(g, 2, specs, dropout=0.0)["bytes"]
-            once = tensor_volumes(g, 2, specs)["bits"][32]["layers"][0]["forward"]["data_bytes"]
-        else:
-            vol = simulate_volumes(g, 2, specs, ("prepost",), (32,), dropout=0.0)["modes"]["prepost"]["bits"][32]
-            steady = vol["epoch"]["data_bytes"]
-            once = simulate_volumes(g, 2, specs, ("prepost",), (32,))["modes"]["prepost"]["bits"][32]["layers"][0]
-            once = once["forward"]["data_bytes"]
-        assert sum(map(sum, r["totals"]["bytes_data"])) == EPOCHS * steady + once, strategy
+    single = {}
+    for model in MODELS:
+        t = Trainer(_config("partition", model, tmp_path / f"single-{model}"), g)  # one process
+        t.fit()
+        single[model] = [h["train_loss"] for h in t.history]
+    spawn_groups(_worker, list(WORLDS), (str(tmp_path),))
+    for world in WORLDS:
+        for strategy in STRATEGIES:
+            for model in MODELS:
+                key = f"{world}-{strategy}-{model}"
+                r = torch.load(tmp_path / f"{key}.pt")
+                assert r["losses"] == pytest.approx(single[model], abs=1e-5), key
+                first, *later = r["layer0"]  # layer 0's [forward, backward] data bytes per epoch
+                assert first[0] > 0 and all(e == [0, 0] for e in later), (key, r["layer0"])
+                specs = build_model(model, g.num_features, 32, g.num_classes, 2, dropout=0.0).describe()
+                if strategy == "tensor":
+                    steady = tensor_volumes(g, world, specs, dropout=0.0)["bytes"]
+                    once = tensor_volumes(g, world, specs)["bits"][32]["layers"][0]["forward"]["data_bytes"]
+                else:
+                    vol = simulate_volumes(g, world, specs, ("prepost",), (32,), dropout=0.0)
+                    steady = vol["modes"]["prepost"]["bits"][32]["epoch"]["data_bytes"]
+                    full = simulate_volumes(g, world, specs, ("prepost",), (32,))["modes"]["prepost"]["bits"][32]
+                    once = full["layers"][0]["forward"]["data_bytes"]
+                assert sum(map(sum, r["totals"]["bytes_data"])) == EPOCHS * steady + once, key
