@@ -87,6 +87,7 @@ def test_a_modified_input_is_aggregated_again():
 def _config(strategy: str, model: str, out) -> TrainConfig:
     return TrainConfig(
         strategy=strategy,
+        groups=2 if strategy == "hybrid" else 1,
         dataset="synthetic:tiny",
         model=model,
         hidden=32,
@@ -100,8 +101,11 @@ def _config(strategy: str, model: str, out) -> TrainConfig:
     )
 
 
-STRATEGIES = ("partition", "tensor")
 WORLDS = (2, 3, 4)
+
+
+def _strategies(world: int) -> tuple[str, ...]:
+    return ("partition", "tensor", "hybrid") if world == 4 else ("partition", "tensor")  # hybrid: M = 2
 
 
 def _worker(rank, world, port, out_dir):
@@ -113,7 +117,7 @@ def _worker(rank, world, port, out_dir):
     comm = init_from_env(120)
     try:
         g = load("synthetic:tiny")
-        for strategy in STRATEGIES:
+        for strategy in _strategies(world):
             for model in MODELS:
                 t = Trainer(_config(strategy, model, os.path.join(out_dir, f"{world}-{strategy}-{model}")), g, comm)
                 t.fit()
@@ -129,7 +133,7 @@ def _worker(rank, world, port, out_dir):
 def test_distributed_layer_zero_exchanges_in_the_first_epoch_only(tmp_path):
     # Dropout 0 at N = 2, 3, 4: the same losses as one process, and layer 0's aggregation (of the
     # constant raw features) exchanges in the first epoch only, as tessera simulate --dropout 0 says
-    from tessera.planner.volume import simulate_volumes, tensor_volumes
+    from tessera.planner.volume import hybrid_volumes, simulate_volumes, tensor_volumes
 
     g = load("synthetic:tiny")
     single = {}
@@ -139,7 +143,7 @@ def test_distributed_layer_zero_exchanges_in_the_first_epoch_only(tmp_path):
         single[model] = [h["train_loss"] for h in t.history]
     spawn_groups(_worker, list(WORLDS), (str(tmp_path),))
     for world in WORLDS:
-        for strategy in STRATEGIES:
+        for strategy in _strategies(world):
             for model in MODELS:
                 key = f"{world}-{strategy}-{model}"
                 r = torch.load(tmp_path / f"{key}.pt")
@@ -147,7 +151,11 @@ def test_distributed_layer_zero_exchanges_in_the_first_epoch_only(tmp_path):
                 first, *later = r["layer0"]  # layer 0's [forward, backward] data bytes per epoch
                 assert first[0] > 0 and all(e == [0, 0] for e in later), (key, r["layer0"])
                 specs = build_model(model, g.num_features, 32, g.num_classes, 2, dropout=0.0).describe()
-                if strategy == "tensor":
+                if strategy == "hybrid":
+                    steady = hybrid_volumes(g, world, 2, specs, dropout=0.0)["bits"][32]["bytes"]
+                    full = hybrid_volumes(g, world, 2, specs)["_runtime"][32]["bytes_data"]
+                    once = int(full[0, 0].sum())
+                elif strategy == "tensor":
                     steady = tensor_volumes(g, world, specs, dropout=0.0)["bytes"]
                     once = tensor_volumes(g, world, specs)["bits"][32]["layers"][0]["forward"]["data_bytes"]
                 else:

@@ -217,7 +217,18 @@ def run(args: argparse.Namespace) -> int:
             runs[-1]["tensor"] = tv
         runs[-1]["hybrid"] = [
             hybrid_volumes(
-                g, p, k, specs, mode, args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages
+                g,
+                p,
+                k,
+                specs,
+                mode,
+                args.method,
+                args.seed,
+                args.norm,
+                args.label_prop,
+                bits,
+                args.pipeline_stages,
+                args.dropout,
             )
             for k in groups.get(p, [])
             for mode in modes

@@ -399,10 +399,13 @@ def hybrid_runtime_bytes(
     counts, halo_rows: np.ndarray, groups: int, plan: list[tuple[int, bool]], bits: int, stages: int = 1
 ) -> dict[str, np.ndarray]:
     """One hybrid training epoch in the runtime log's layout (``CommLog.gather``), as int64 arrays:
-    ``bytes_data[layer, direction, src, dst]`` and ``bytes_params``."""
+    ``bytes_data[layer, direction, src, dst]`` and ``bytes_params`` (a layer of width 0 exchanges
+    nothing: see :func:`exchange_layers`)."""
     n = len(counts)
     out = {k: np.zeros((len(plan), 2, n, n), dtype=np.int64) for k in ("bytes_data", "bytes_params")}
     for layer, (width, back) in enumerate(plan):
+        if not width:
+            continue
         for direction, rows in enumerate((halo_rows, halo_rows.T) if back else (halo_rows,)):
             data, params = hybrid_pair_bytes(counts, rows, groups, width, bits, stages)
             out["bytes_data"][layer, direction] = data
@@ -422,8 +425,9 @@ def hybrid_volumes(
     label_prop: float = 0.0,
     bits=(32,),
     stages: int = 1,
+    dropout: float = 0.5,
 ) -> dict[str, Any]:
-    """Per training epoch of ``--strategy hybrid --groups M`` on ``parts`` ranks (the runtime's row
+    """Per (steady) training epoch of ``--strategy hybrid --groups M`` on ``parts`` ranks (the runtime's row
     split, its G-parts ``part // M`` and their ``mode`` halo rows): bytes per bit width in all, of
     the busiest sender, and apart for the row groups' all-to-alls and the column groups' halo
     exchanges; ``_runtime`` holds the log layout of each bit width (:func:`hybrid_runtime_bytes`)."""
@@ -431,7 +435,7 @@ def hybrid_volumes(
 
     refuse_attention(specs)
     layout = hybrid_layout(int(parts), int(groups))
-    plan = exchange_layers(specs, norm, label_prop)
+    plan = exchange_layers(specs, norm, label_prop, dropout)
     part = partition(graph, parts, method, seed)
     counts = np.bincount(part, minlength=int(parts)).astype(np.int64)
     g = layout.shape[0]
