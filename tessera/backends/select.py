@@ -16,6 +16,8 @@ import statistics
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,21 @@ _TRIAL_MIN_WORK = 4_000_000
 _DIRECTIONS = ("forward", "backward")
 _lock = threading.Lock()
 _memo = PlanCache()  # per matrix: decision key -> backend name
+_state = threading.local()  # modelled_only: decide undecided products by the model, unrecorded
+
+
+@contextmanager
+def modelled_only() -> Iterator[None]:
+    """Within this block, a product with no decision yet runs the cost model's favourite without a
+    measured trial and without recording it (the planner's trial steps: a backend trial on a
+    candidate that may be discarded would be time spent on nothing; a later product outside the
+    block decides as usual)."""
+    before = getattr(_state, "modelled_only", False)
+    _state.modelled_only = True
+    try:
+        yield
+    finally:
+        _state.modelled_only = before
 
 
 def cache_file() -> Path:
@@ -91,6 +108,8 @@ def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, d
         return known
     transposed = direction == "backward"
     trial = trial_candidates(matrix, width, weight is not None, transposed, names)
+    if getattr(_state, "modelled_only", False):
+        return trial[0]
     if len(trial) > 1:
         return record(matrix, key, measure(matrix, x, weight, trial, transposed))
     return remember(matrix, key, trial[0])

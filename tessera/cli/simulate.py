@@ -369,7 +369,7 @@ def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, o
     from tessera.parallel.base import StrategyOptions
     from tessera.planner.calibrate import local_rates
     from tessera.planner.candidates import Context
-    from tessera.planner.plan import model_plan
+    from tessera.planner.plan import aggregate_widths, model_plan
     from tessera.train.config import TrainConfig
     from tessera.train.planning import model_probe
 
@@ -382,7 +382,7 @@ def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, o
     )
     probe = model_probe(model, cfg)
     options = StrategyOptions(partition=args.method, seed=args.seed, pipeline_stages=args.pipeline_stages)
-    rates = local_rates(g, min(r["vol"]["parts"] for r in runs), m)
+    rates = local_rates(g, min(r["vol"]["parts"] for r in runs), m, widths=aggregate_widths(probe))
     plans = []
     for r in runs:
         p = r["vol"]["parts"]
