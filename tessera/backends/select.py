@@ -36,7 +36,13 @@ _TRIAL_MIN_WORK = 4_000_000
 _DIRECTIONS = ("forward", "backward")
 _lock = threading.Lock()
 _memo = PlanCache()  # per matrix: decision key -> backend name
-_state = threading.local()  # modelled_only: decide undecided products by the model, unrecorded
+
+
+class _State(threading.local):
+    modelled_only = False  # decide undecided products by the model, unrecorded
+
+
+_state = _State()
 
 
 @contextmanager
@@ -45,7 +51,7 @@ def modelled_only() -> Iterator[None]:
     measured trial and without recording it (the planner's trial steps: a backend trial on a
     candidate that may be discarded would be time spent on nothing; a later product outside the
     block decides as usual)."""
-    before = getattr(_state, "modelled_only", False)
+    before = _state.modelled_only
     _state.modelled_only = True
     try:
         yield
@@ -108,7 +114,7 @@ def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, d
         return known
     transposed = direction == "backward"
     trial = trial_candidates(matrix, width, weight is not None, transposed, names)
-    if getattr(_state, "modelled_only", False):
+    if _state.modelled_only:
         return trial[0]
     if len(trial) > 1:
         return record(matrix, key, measure(matrix, x, weight, trial, transposed))
