@@ -152,6 +152,18 @@ def relational_aggregate(
     return run_variant(rel, variant, x, weight, reduce)
 
 
+def relational_sum(
+    operand: Operand, x: torch.Tensor, weight: torch.Tensor, reduce: str = "mean", variant: str = "auto"
+) -> torch.Tensor:
+    """:func:`relational_aggregate` for ``operand``'s rows from ``x``, the inputs of its rows
+    (not of its columns): the operand brings in its remote sources, as their input rows or as
+    their owners' ``W_r x_j`` rows (:meth:`~tessera.sparse.operand.Operand.relational_sources`)."""
+    check_reduce(reduce)
+    x_src, remote = operand.relational_sources(x, weight, reduce)
+    out = relational_aggregate(operand, x_src, weight, reduce, variant)
+    return out if remote is None else out + remote
+
+
 def relational_aggregate_reference(
     edge_index: torch.Tensor,
     edge_type: torch.Tensor,
