@@ -42,7 +42,7 @@ from tessera.sparse import LayerSpec, Operand
 PLAN_VERSION = 2
 PRUNE_FACTOR = 1.5
 STEPS = 1  # timed steps per measured candidate, after an untimed one
-MAX_MEASURED = 3  # candidates measured per layer (every one with --measure-all)
+MAX_MEASURED = 2  # candidates measured per layer (every one with --measure-all)
 
 
 @dataclass
