@@ -3,7 +3,8 @@
 In one script run, per P: each assignment (partition in its three modes, tensor, hybrid:2 where
 2 divides P and 1 < 2 < P, and the mixed pairs ``tensor,partition:prepost`` and
 ``partition:prepost,tensor``) trains for a few epochs (``tessera train --nprocs P``), then
-``--strategy auto`` plans afresh (an empty plan cache; the partitions are reused) and trains;
+``--strategy auto`` plans afresh and trains; every run starts from an empty cache but for the
+partitions (no plan, no kernel decision carried over from another run);
 ``--rounds R`` repeats the whole sequence R times, interleaved, so a slow spell of the shared
 machine falls on every assignment. The tables give each assignment's median over rounds of its
 run's median training-step time, bytes per training epoch, the planner's pick in each round and
@@ -148,13 +149,14 @@ def report(args, runs: dict, plans: dict, full: dict) -> str:
     return "\n".join(out)
 
 
-def run_auto(args: argparse.Namespace, procs: int, out: Path, tmp: Path) -> dict:
-    """One ``--strategy auto`` run that plans afresh (its own empty plan cache)."""
+def run_fresh(args: argparse.Namespace, strategy: str, procs: int, out: Path, tmp: Path) -> dict:
+    """One run on its own empty cache but for the partitions: ``auto`` plans afresh, and every
+    run, fixed or planned, makes its own kernel decisions."""
     cache = fresh_plan_cache(Path(tempfile.mkdtemp(dir=tmp)))
     real = os.environ.get("TESSERA_CACHE")
     os.environ["TESSERA_CACHE"] = str(cache)
     try:
-        return run_once(args, "auto", procs, out)
+        return run_once(args, strategy, procs, out)
     finally:
         os.environ.pop("TESSERA_CACHE") if real is None else os.environ.update(TESSERA_CACHE=real)
 
@@ -174,14 +176,14 @@ def main(argv: list[str] | None = None) -> int:
             for procs in args.procs:
                 for a in [*assignments(procs), "auto"]:
                     out = Path(tmp) / f"{rnd}-{procs}-{a.replace(',', '+').replace(':', '-')}"
-                    res = run_auto(args, procs, out, Path(tmp)) if a == "auto" else run_once(args, a, procs, out)
+                    res = run_fresh(args, a, procs, out, Path(tmp))
                     runs.setdefault((procs, a), []).append(res)
                     print(f"round {rnd} P={procs} {a}: {res['epoch_time_median_s'] * 1e3:.0f} ms", file=sys.stderr)
         for procs in args.procs:
             if args.full_epochs:
                 full_args = argparse.Namespace(**{**vars(args), "epochs": args.full_epochs})
                 t0 = time.perf_counter()
-                res = run_auto(full_args, procs, Path(tmp) / f"full-{procs}", Path(tmp))
+                res = run_fresh(full_args, "auto", procs, Path(tmp) / f"full-{procs}", Path(tmp))
                 full[procs] = (res, time.perf_counter() - t0)
                 print(f"P={procs} full run: {full[procs][1]:.0f} s", file=sys.stderr)
             if not args.no_measure_all:
