@@ -150,12 +150,12 @@ def trial_candidates(matrix: CSRStructure, width: int, weighted: bool, transpose
     return [n for n in ranked if costs[n] <= 3 * costs[ranked[0]]]
 
 
-def record(matrix: CSRStructure, key: str, seconds: dict[str, float]) -> str:
+def record(matrix: CSRStructure, key: str, seconds: dict[str, float], **notes: Any) -> str:
     """Store the fastest of ``seconds`` (measured backend times) as the decision for ``key``, in
-    memory and (for a matrix with a fingerprint) on disk, and return it."""
+    memory and (for a matrix with a fingerprint) on disk with ``notes`` beside it, and return it."""
     choice = min(seconds, key=seconds.get)
     if matrix.fingerprint() is not None:
-        _write_disk(key, {"choice": choice, "seconds": seconds})
+        _write_disk(key, {"choice": choice, "seconds": seconds, **notes})
     _memo.entries(matrix)[key] = choice
     return choice
 
