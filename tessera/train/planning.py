@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tessera.comm.group import Comm
+from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.nn.models import GNN
 from tessera.parallel.base import StrategyOptions
@@ -67,6 +68,11 @@ def layer_choices(
     if choices is not None:
         return choices, None, None
     if not isinstance(source, Graph) or any(s.edge_values for s in model.describe()):
+        if cfg.pipeline_stages != 1:
+            raise ConfigError(
+                "--pipeline-stages is read by the hybrid and tensor strategies only, and --strategy auto runs "
+                "partition parallelism for attention layers and from part files; drop --pipeline-stages"
+            )
         return [LayerChoice("partition")] * cfg.layers, None, None
     if resumed is not None and resumed["world"] == comm.world:
         rec = {"choices": list(resumed["choices"]), "world": comm.world, "source": "checkpoint"}
