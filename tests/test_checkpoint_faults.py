@@ -1,5 +1,6 @@
 """Checkpoints under kill -9 (one loadable checkpoint, stale temporaries removed, the resumed run equal
-to an uninterrupted one, communication totals included), every checkpoint field checked before a
+to an uninterrupted one, communication totals included, and under --strategy auto the same plan
+without planning again), every checkpoint field checked before a
 resume, and a diverging run stopped with one line and valid metrics.
 
 The kill runs need many processes: starting one that imports torch costs seconds, so one spawned
@@ -218,6 +219,22 @@ def _campaign(root: str, seed: int) -> dict:
     report["dist_resume"] = _distributed(dist(dk, ["--resume"]))
     report["dist_final_files"] = sorted(os.listdir(dk))
 
+    # --strategy auto: the reference plans (measuring) and caches its plan, which the run killed
+    # next starts from; its resume, with the cache emptied, takes the plan from the checkpoint
+    def auto(out: Path, extra=()) -> list[str]:
+        return run(out, ["--nprocs", "2", "--strategy", "auto", "--epochs", "8", *extra])
+
+    cache = root_p / "plans"
+    os.environ["TESSERA_CACHE"] = str(cache)  # the forked ranks inherit it
+    report["auto_reference"] = _distributed(auto(root_p / "aref"))
+    report["auto_cached"] = sorted(os.listdir(cache / "plans"))
+    ak = root_p / "akilled"
+    report["auto_kill"] = _distributed(auto(ak), at=rng.randint(2, 4), kill_after=rng.uniform(0.0, 1.5 * epoch_s))
+    report["auto_kill_epoch"] = _epoch(ak)
+    shutil.rmtree(cache)
+    report["auto_resume"] = _distributed(auto(ak, ["--resume"]))
+    report["auto_cached_after_resume"] = sorted(os.listdir(cache / "plans")) if (cache / "plans").exists() else []
+
     old = root_p / "old"
     old.mkdir()
     shutil.copy(DATA / "checkpoint-gcn-tiny-s3-epoch4.pt", old / "checkpoint.pt")
@@ -331,6 +348,25 @@ def test_two_rank_run_killed_twice_resumes_with_the_full_communication_totals(ca
     assert _metrics(root / "dkilled") == _metrics(root / "dref")
 
 
+def test_two_rank_auto_run_resumed_with_the_plan_cache_emptied_keeps_its_plan(campaign):
+    root, report = campaign
+    assert report["auto_reference"] == [0, 0] and len(report["auto_cached"]) == 1
+    assert report["auto_kill"] == [-signal.SIGKILL] * 2 and 1 <= report["auto_kill_epoch"] < 8
+    assert report["auto_resume"] == [0, 0]
+    assert report["auto_cached_after_resume"] == []  # the resume planned nothing (and cached nothing)
+    resumed, straight = _result(root / "akilled"), _result(root / "aref")
+    plan, ref_plan = resumed.pop("plan"), straight.pop("plan")
+    assert ref_plan["source"] == "measured" and plan == {
+        "choices": ref_plan["choices"],
+        "world": 2,
+        "source": "checkpoint",
+    }
+    assert load_checkpoint(root / "akilled" / "checkpoint.pt")["plan"] == {"world": 2, "choices": ref_plan["choices"]}
+    assert resumed["comm"]["epochs"] == 8 and sum(map(sum, resumed["comm"]["bytes_data"])) > 0
+    assert resumed == straight  # losses, accuracies and bytes per layer and direction
+    assert _metrics(root / "akilled") == _metrics(root / "aref")
+
+
 def test_checkpoint_without_communication_records_resumes_and_says_so_once(campaign):
     root, report = campaign
     assert report["old_resume"] == [0, 0]
@@ -420,6 +456,20 @@ def _break(ck: dict, case: str) -> None:
         ck["config"]["hidden"] = torch.zeros(2)
     elif case == "step not a scalar":
         ck["optimizer"]["state"][0]["step"] = torch.zeros(2)
+    elif case == "plan not a dict":
+        ck["plan"] = ["tensor", "tensor"]
+    elif case == "plan without choices":
+        ck["plan"] = {"world": 2}
+    elif case == "plan of one rank":
+        ck["plan"] = {"world": 1, "choices": ["tensor", "tensor"]}
+    elif case == "plan for other layers":
+        ck["plan"] = {"world": 2, "choices": ["tensor"]}
+    elif case == "plan entry unknown":
+        ck["plan"] = {"world": 2, "choices": ["tensor:32", "nosuch"]}
+    elif case == "plan entry not a string":
+        ck["plan"] = {"world": 2, "choices": ["tensor:32", 7]}
+    elif case == "plan M not dividing world":
+        ck["plan"] = {"world": 3, "choices": ["hybrid:2:post:32", "tensor:32"]}
     else:
         raise AssertionError(case)
 
@@ -447,6 +497,14 @@ CASES = {
     "config value a tensor": "field 'config'['hidden'] is a Tensor, expected a setting's value",
     "step not a scalar": "['step'] is tensor([0., 0.]), expected a finite step count",
     "not a dict": "holds a list, not a tessera checkpoint",
+    "plan not a dict": "field 'plan' is a list, expected dict",
+    "plan without choices": "field 'plan'['choices'] is missing",
+    "plan of one rank": "field 'plan'['world'] is 1, expected 2 to",
+    "plan for other layers": "field 'plan'['choices'] has 1 entries, but the model has 2 layers",
+    "plan entry unknown": "field 'plan'['choices'][1] is 'nosuch', not an entry for 2 ranks (unknown --strategy entry",
+    "plan entry not a string": "field 'plan'['choices'][1] is a int, expected str",
+    "plan M not dividing world": "field 'plan'['choices'][0] is 'hybrid:2:post:32', not an entry for 3 ranks "
+    "(--groups 2 does not divide the 3 ranks",
 }
 
 
@@ -467,6 +525,19 @@ def test_bad_checkpoint_field_is_one_line_and_touches_nothing(good_run, tmp_path
     assert len(err) == 1 and err[0].startswith("tessera: error: checkpoint "), err
     assert CASES[case] in err[0] and err[0].endswith("; delete the checkpoint or drop --resume"), err[0]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_plan_in_a_placement_its_layer_cannot_run_is_refused():
+    from tessera.errors import TesseraError
+    from tessera.nn import build_model
+    from tessera.train.checkpoint import check_plan
+
+    gin = build_model("gin", 4, 8, 2, 2)  # GIN aggregates its input, never after its MLP
+    plan = {"world": 2, "choices": ["tensor:32", "partition:post:32@transform-first"]}
+    with pytest.raises(TesseraError, match=r"field 'plan'\['choices'\]\[1\] is .*, a placement layer 1 cannot run"):
+        check_plan({"plan": plan}, "ck.pt", gin)
+    plan["choices"][1] = "partition:post:32@aggregate-first"  # its own placement
+    assert check_plan({"plan": plan}, "ck.pt", gin) is plan and check_plan({"plan": None}, "ck.pt", gin) is None
 
 
 def test_resume_without_a_checkpoint_says_it_starts_afresh(tmp_path, capsys):

@@ -143,3 +143,60 @@ def test_more_ranks_than_vertices_is_a_one_line_error(tmp_path, capfd):
     msg = one_line_error(capfd, argv + ["--out", str(tmp_path / "run")])  # the ranks print it: capfd
     assert msg.startswith("tessera: error:") and "3 vertices" in msg and "at most 3" in msg
     assert not (tmp_path / "run" / "result.json").exists()
+
+
+STAGES_READERS = "--pipeline-stages is read by the hybrid and tensor strategies only, and "
+GROUPS_READERS = "--groups is read by the hybrid strategy only, and "
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--strategy", "partition", "--pipeline-stages", "2"], "no layer of --strategy partition uses it"),
+        (["--strategy", "partition:post,partition", "--pipeline-stages", "1"], "no layer of"),
+        (["--strategy", "tensor", "--groups", "2"], "no layer of --strategy tensor uses it"),
+        (["--strategy", "hybrid:2,tensor", "--groups", "2"], "uses it (hybrid:M entries name their own M)"),
+        (["--groups", "2"], "--strategy auto picks each layer's M itself"),
+        (["--parts-dir", "parts", "--pipeline-stages", "2"], "from part files --strategy auto runs partition"),
+    ],
+)
+def test_strategy_flag_no_layer_uses_is_a_one_line_error(capsys, tmp_path, extra, message):
+    msg = one_line_error(capsys, ["train", "--nprocs", "4", "--out", str(tmp_path / "o"), *extra])
+    flag = "--groups" if "--groups" in extra else "--pipeline-stages"
+    start = GROUPS_READERS if flag == "--groups" else STAGES_READERS
+    assert msg.startswith("tessera: error: " + start) and message in msg, msg
+    assert msg.endswith(f"; drop {flag} or choose a strategy that uses it"), msg
+    assert not (tmp_path / "o").exists()
+
+
+def test_strategy_flags_some_layer_uses_are_accepted_and_a_config_file_counts_as_given(tmp_path):
+    for strategy, flags in [
+        ("tensor,partition", {"pipeline_stages": 2}),
+        ("partition,hybrid:2", {"pipeline_stages": 2}),
+        ("hybrid,partition", {"groups": 2}),
+        ("auto", {"pipeline_stages": 3}),
+        ("partition", {"groups": None, "pipeline_stages": None}),  # not given: the defaults
+    ]:
+        cfg = make_config({}, {"strategy": strategy, "nprocs": 4, **flags})
+        assert all(getattr(cfg, k) == v for k, v in flags.items() if v is not None)
+    cfg_file = tmp_path / "run.toml"
+    cfg_file.write_text("strategy = 'partition'\npipeline-stages = 2\n")
+    with pytest.raises(Exception, match="no layer of --strategy partition uses it"):
+        make_config(read_toml(cfg_file), {})
+    assert make_config(read_toml(cfg_file), {"strategy": "tensor"}).pipeline_stages == 2
+
+
+def test_auto_with_attention_layers_refuses_pipeline_stages():
+    from tessera.datasets import load
+    from tessera.nn import build_model
+    from tessera.parallel.base import StrategyOptions
+    from tessera.train.config import TrainConfig
+    from tessera.train.planning import layer_choices
+
+    g = load("synthetic:tiny")
+    gat = build_model("gat", g.num_features, 8, g.num_classes, 2)
+    cfg = TrainConfig(model="gat", hidden=8, pipeline_stages=2).validate()
+    with pytest.raises(Exception, match="--strategy auto runs partition parallelism for attention layers"):
+        layer_choices(cfg, gat, g, None, StrategyOptions())
+    cfg.pipeline_stages = 1
+    assert [c.strategy for c in layer_choices(cfg, gat, g, None, StrategyOptions())[0]] == ["partition"] * 2

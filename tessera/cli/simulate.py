@@ -123,7 +123,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--plan",
         action="store_true",
         help="add the planner's modelled choice per layer and P (tessera plan --model-only, at this link model "
-        "and compute rates timed here)",
+        "and compute rates timed here), and whether each is the modelled optimum with every candidate's "
+        "communication from the simulator's blocks",
     )
     s.add_argument("--plot", help="write a PNG of volume and projected time versus P here")
     s.add_argument("--json", action="store_true", help="print only JSON to stdout")
@@ -407,14 +408,17 @@ def format_hybrid_table(runs: list[dict[str, Any]]) -> str:
 
 def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, out_dim: int) -> list[dict[str, Any]]:
     """The planner's modelled plan for each run's P (compute rates timed once, here, on the
-    smallest P's share of the graph; the link from ``m``), over the runs' own pair rows."""
-    from tessera.graph.partition import partition
+    smallest P's share of the graph; the link from ``m``), over the runs' own pair rows, with
+    ``check``: whether each layer's choice is its modelled optimum with every candidate's
+    communication from the simulator's blocks (:mod:`tessera.planner.optimum`)."""
     from tessera.graph.partition.halo import MODES
     from tessera.nn import build_model
     from tessera.parallel.base import StrategyOptions
     from tessera.planner.calibrate import local_rates
     from tessera.planner.candidates import Context
+    from tessera.planner.optimum import check_choices, optimum_layers
     from tessera.planner.plan import aggregate_widths, model_plan
+    from tessera.planner.volume import simulate_volumes
     from tessera.train.config import TrainConfig
     from tessera.train.planning import model_probe
 
@@ -430,20 +434,36 @@ def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, o
     rates = local_rates(g, min(r["vol"]["parts"] for r in runs), m, widths=aggregate_widths(probe))
     plans = []
     for r in runs:
-        p = r["vol"]["parts"]
-        ctx = Context(g, p, partition(g, p, args.method, args.seed), options, rates)
-        if set(MODES) <= set(r["vol"]["_rows"]):
-            ctx._memo["rows"] = r["vol"]["_rows"]
-        plans.append(model_plan(ctx, probe))
+        vol = r["vol"]
+        if not set(MODES) <= set(vol["_rows"]):
+            vol = simulate_volumes(
+                g, vol["parts"], model.describe(), MODES, (32,), args.method, args.seed, args.norm,
+                args.label_prop, args.model, args.dropout,
+            )  # fmt: skip
+        ctx = Context(g, vol["parts"], vol["_part"], options, rates)
+        ctx._memo["rows"] = vol["_rows"]
+        plan = model_plan(ctx, probe)
+        plan["check"] = check_choices(plan, optimum_layers(ctx, probe, vol))
+        plans.append(plan)
     return plans
 
 
 def format_plan_sweep(runs: list[dict[str, Any]]) -> str:
     """Per P, each layer's modelled choice and time, and the modelled step time of every layer's
-    best candidate of each kind beside it."""
+    best candidate of each kind beside it; then whether every choice is the modelled optimum with
+    the communication from the simulator's blocks."""
     lines = ["planner, modelled (ms per training step of each layer; * the choice):"]
     for r in runs:
         plan = r["plan"]
+        check = plan["check"]
+        wrong = [
+            f"layer {i} optimum {o}" for i, (ok, o) in enumerate(zip(check["matches"], check["optimum"])) if not ok
+        ]
+        lines.append(
+            f"P={plan['world']:>6} choice = modelled optimum (communication from the simulator's blocks): "
+            + ("yes" if not wrong else "NO (" + ", ".join(wrong) + ")")
+            + f"; candidates' modelled communication within {check['comm_rel_diff']:.1e} of it"
+        )
         for la in plan["layers"]:
             best: dict[str, dict] = {}
             for c in la["candidates"]:

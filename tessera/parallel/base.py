@@ -107,6 +107,8 @@ class Strategy(ABC):
     """One way of splitting a layer's work over the ranks of ``comm``."""
 
     name: ClassVar[str]
+    #: the options of some strategies only (``remote_agg``, ``pipeline_stages``, ``groups``) this one reads
+    reads: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, comm: Comm, options: StrategyOptions) -> None:
         self.comm, self.options = comm, options

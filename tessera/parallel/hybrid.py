@@ -117,6 +117,7 @@ class HybridStrategy(Strategy):
     """M tensor-parallel column slices of G data-parallel (halo-exchanging) parts."""
 
     name = "hybrid"
+    reads = ("groups", "remote_agg", "pipeline_stages")
 
     def check(self, specs: list[LayerSpec]) -> None:
         check_groups(self.comm.world, self.options.groups)

@@ -170,6 +170,7 @@ class PartitionStrategy(Strategy):
     """Each rank owns a part of the vertices and exchanges halo rows every layer."""
 
     name = "partition"
+    reads = ("remote_agg",)
 
     def shard(self, graph: Graph) -> Shard:
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")

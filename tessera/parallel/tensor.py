@@ -346,6 +346,7 @@ class TensorStrategy(Strategy):
     """MixGCN's mixture of parallelism: feature-split aggregation between node-split layers."""
 
     name = "tensor"
+    reads = ("pipeline_stages",)
 
     def check(self, specs: list[LayerSpec]) -> None:
         check_layers(specs, self.options.pipeline_stages)

@@ -19,9 +19,10 @@ for one training step of the layer, on the slowest rank, is
 
 A kind (:class:`CandidateKind`) lists its choices for a layer and models the last two terms;
 ``register_kind`` adds one. ``hybrid(M)`` (M column groups of G = P / M ranks, M dividing P with
-1 < M < P) costs each row group's all-to-alls at the layer's width (the tensor kind's, over its
-M members' rows) plus its column group's halo exchange and aggregation over the G-way split
-(the partition kind's, at the widest column slice D / M): the blocks ``hybrid_volumes`` counts.
+1 < M < P) costs its all-to-alls at the layer's width (each one the slowest sender of any row
+group, over its M members' rows in rank order: the tensor kind's blocks) plus the column groups'
+halo exchange and aggregation over the G-way split (the partition kind's, at the widest column
+slice D / M): the blocks ``hybrid_volumes`` counts.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from tessera.parallel.hybrid import hybrid_layout
 from tessera.parallel.mixed import LayerChoice
 from tessera.parallel.tensor import column_bounds
 from tessera.planner.calibrate import Rates
-from tessera.planner.grouping import all_to_all_time
+from tessera.planner.grouping import all_to_all_time, all_to_all_times
 from tessera.planner.model import exchange_time
+from tessera.planner.volume import row_width
 from tessera.sparse import LayerSpec
 
 
@@ -127,10 +129,10 @@ def partition_work(ctx: Context, mode: str) -> np.ndarray:
 def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> dict[str, float]:
     o = choice.options(ctx.options)
     w, passes = spec.aggregate_width, 1 + backward
-    rows, m = ctx.pair_rows(o.remote_agg), ctx.rates.comm()
-    comm = exchange_time(rows, w, o.comm_bits, m)["time_s"]
+    rows, m, sent = ctx.pair_rows(o.remote_agg), ctx.rates.comm(), row_width(spec)
+    comm = exchange_time(rows, sent, o.comm_bits, m)["time_s"]
     if backward:
-        comm += exchange_time(rows.T, w, o.comm_bits, m)["time_s"]
+        comm += exchange_time(rows.T, sent, o.comm_bits, m)["time_s"]
     return {"aggregate_s": passes * ctx.rates.aggregate_s(partition_work(ctx, o.remote_agg).max(), w), "comm_s": comm}
 
 
@@ -174,8 +176,9 @@ def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
         halo += exchange_time(rows.T, widest, o.comm_bits, m)["time_s"]
     key = f"all_to_all-{o.groups}-{w}-{o.comm_bits}-{o.pipeline_stages}"
     if key not in ctx._memo:  # the same for every mode; row groups of the same row counts cost the same
-        groups = {tuple(sorted(ctx.counts[members])) for members in hybrid_layout(ctx.world, o.groups)}
-        ctx._memo[key] = max(all_to_all_time(list(c), w, o.comm_bits, m, o.pipeline_stages) for c in groups)
+        groups = np.unique(ctx.counts[hybrid_layout(ctx.world, o.groups)], axis=0)
+        per = [all_to_all_times(list(c), w, o.comm_bits, m, o.pipeline_stages) for c in groups]
+        ctx._memo[key] = float(np.max(per, axis=0).sum())  # each all-to-all of all row groups at once
     a2a = ctx._memo[key]
     work = partition_work(sub, o.remote_agg).max()
     return {"aggregate_s": passes * ctx.rates.aggregate_s(work, widest), "comm_s": halo + passes * a2a}

@@ -70,11 +70,16 @@ def all_to_all_time(counts, width: int, bits: int, comm: CommModel, stages: int 
     """Modelled seconds of one tensor-parallel aggregation's all-to-alls at ``width`` (to the
     feature split and back) among ranks holding ``counts`` rows: Eq. 2/4 per all-to-all, its
     slowest sender."""
-    total = 0.0
+    return sum(all_to_all_times(counts, width, bits, comm, stages))
+
+
+def all_to_all_times(counts, width: int, bits: int, comm: CommModel, stages: int = 1) -> list[float]:
+    """Modelled seconds of each all-to-all of :func:`all_to_all_time`, in order."""
+    out = []
     for data, params, values in tensor_exchanges(counts, width, bits, stages):
         t, q = sender_time(data, params, values.sum(axis=1), data.sum(axis=1), bits, comm)
-        total += float((t + q).max()) if t.size else 0.0
-    return total
+        out.append(float((t + q).max()) if t.size else 0.0)
+    return out
 
 
 def _edges_per_part(indptr: np.ndarray, indices: np.ndarray, part: np.ndarray, parts: int) -> np.ndarray:

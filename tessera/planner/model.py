@@ -103,21 +103,30 @@ def blocks_time(blocks: list[tuple[np.ndarray, np.ndarray]], bits: int, m: CommM
     and ``widths`` (sender x receiver, as :func:`~tessera.parallel.tensor.exchange_blocks` gives
     them), the slowest sender's bytes over BW plus a latency per peer plus, below 32 bits, its
     quantize and dequantize streaming. The diagonal stays on the rank."""
-    bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
     total = 0.0
     for rows, widths in blocks:
-        rows = np.array(rows, dtype=np.int64)
-        np.fill_diagonal(rows, 0)
-        per_rank = np.zeros(rows.shape[0])
-        for w in np.unique(widths[rows > 0]):
-            r = np.where(widths == w, rows, 0)
-            data, params = block_bytes(r, int(w), bits)
-            per_rank += (data + params).sum(axis=1) / bw
-            if bits < 32:
-                per_rank += 2 * r.sum(axis=1) * (4 * int(w) + data_bytes(int(w), bits)) / th
-        per_rank += np.count_nonzero(rows, axis=1) * lat
+        per_rank = blocks_sender_s(rows, widths, bits, m)
         total += float(per_rank.max()) if per_rank.size else 0.0
     return total
+
+
+def blocks_sender_s(rows: np.ndarray, widths: np.ndarray, bits: int, m: CommModel) -> np.ndarray:
+    """Eq. 2/4 per sender of one exchange whose pair ``[i, j]`` sends a block of ``rows[i, j]``
+    rows ``widths[i, j]`` wide (``widths`` may be a number): its bytes over BW, a latency per
+    peer it sends rows and, below 32 bits, its quantize and dequantize streaming. The diagonal
+    stays on the rank."""
+    bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
+    rows = np.array(rows, dtype=np.int64)
+    np.fill_diagonal(rows, 0)
+    per_rank = np.zeros(rows.shape[0])
+    uniform = np.ndim(widths) == 0  # one width: no per-width copies of a P x P matrix
+    for w in [int(widths)] if uniform else np.unique(widths[rows > 0]):
+        r = rows if uniform else np.where(widths == w, rows, 0)
+        data, params = block_bytes(r, int(w), bits)
+        per_rank += (data + params).sum(axis=1) / bw
+        if bits < 32:
+            per_rank += 2 * r.sum(axis=1) * (4 * int(w) + data_bytes(int(w), bits)) / th
+    return per_rank + np.count_nonzero(rows, axis=1) * lat
 
 
 def eq8_speedup(alpha: float, beta: float, gamma: float, delta: float) -> float:

@@ -31,7 +31,7 @@ from tessera.comm.wire import COMM_BITS, block_bytes
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.partition import partition
-from tessera.graph.partition.halo import pair_rows
+from tessera.graph.partition.halo import MODES, pair_rows
 from tessera.graph.partition.relation_halo import relation_pair_rows
 from tessera.parallel.halo_relational import exchange_bytes, transform_first_wins
 from tessera.sparse import LayerSpec
@@ -60,10 +60,13 @@ def exchange_layers(
     only when its aggregated input needs one (LayerNorm or label embedding before it, or the layer
     transforming first). An attention layer's rows also carry its sources' terms (``edge_terms``).
     Width 0: no exchange in a steady training epoch (:func:`first_input_constant`)."""
-    return [
-        (w + s.edge_terms if s.edge_values and w else w, b)
-        for (w, b), s in zip(_layers(specs, norm, label_prop, dropout), specs)
-    ]
+    return [(row_width(s) if w else 0, b) for (w, b), s in zip(_layers(specs, norm, label_prop, dropout), specs)]
+
+
+def row_width(spec: LayerSpec) -> int:
+    """Values per row partition parallelism exchanges for a layer: its aggregated width, plus its
+    sources' ``edge_terms`` attention terms where it has per-edge values."""
+    return spec.aggregate_width + spec.edge_terms if spec.edge_values else spec.aggregate_width
 
 
 def first_input_constant(specs: list[LayerSpec], norm: str = "none", label_prop: float = 0.0) -> bool:
@@ -244,7 +247,8 @@ def simulate_volumes(
     at another bit width (each bit width's layers give their own, and ``placements`` both
     placements' forward bytes per relational layer). Keys starting with ``_`` hold the row
     matrices (``_exchanges``: per mode and bit width, each layer's :class:`LayerExchange`; for
-    :func:`pair_detail` and :func:`runtime_bytes`) and are not JSON."""
+    :func:`pair_detail` and :func:`runtime_bytes`), rows per rank and the row split, and are not
+    JSON."""
     plan = exchange_layers(specs, norm, label_prop, dropout)
     bits = _check_bits(bits)
     t0 = time.perf_counter()
@@ -296,9 +300,11 @@ def simulate_volumes(
         "flops_max_over_mean": float(edges.max() / edges.mean()) if edges.mean() > 0 else 1.0,
         "modes": summary,
         "timing_s": {"partition": t1 - t0, "rows": t2 - t1, "bytes": t3 - t2},
+        "dropout": dropout,
         "_rows": rows,
         "_exchanges": exchanges,
         "_owned": owned,
+        "_part": part,
     }
 
 
@@ -359,19 +365,23 @@ def tensor_exchanges(counts, width: int, bits: int, stages: int = 1) -> list[tup
     stays on the rank."""
     from tessera.parallel.tensor import exchange_blocks
 
-    n = len(counts)
-    out = []
-    for rows, widths in exchange_blocks(counts, width, stages):
-        data, params = np.zeros((n, n), dtype=np.int64), np.zeros((n, n), dtype=np.int64)
-        for w in np.unique(widths):
-            d, p = block_bytes(np.where(widths == w, rows, 0), int(w), bits)
-            data += d
-            params += p
-        values = rows * widths
-        for m in (data, params, values):
-            np.fill_diagonal(m, 0)
-        out.append((data, params, values))
-    return out
+    return [blocks_bytes(rows, widths, bits) for rows, widths in exchange_blocks(counts, width, stages)]
+
+
+def blocks_bytes(rows: np.ndarray, widths: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(data bytes, parameter bytes, values) per ordered pair ``[src, dst]`` of one exchange whose
+    pair ``[i, j]`` sends a block of ``rows[i, j]`` rows ``widths[i, j]`` wide. The diagonal stays
+    on the rank."""
+    n = rows.shape[0]
+    data, params = np.zeros((n, n), dtype=np.int64), np.zeros((n, n), dtype=np.int64)
+    for w in np.unique(widths):
+        d, p = block_bytes(np.where(widths == w, rows, 0), int(w), bits)
+        data += d
+        params += p
+    values = rows * widths
+    for m in (data, params, values):
+        np.fill_diagonal(m, 0)
+    return data, params, values
 
 
 def tensor_pair_bytes(counts, width: int, bits: int, stages: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -476,29 +486,55 @@ def tensor_volumes(
 
 
 # ---------------------------------------------------------------------------------------- hybrid
+def group_halo_rows(graph: Graph, part: np.ndarray, world: int, groups: int, modes=MODES) -> dict[str, np.ndarray]:
+    """Per mode, rows G-part ``g`` sends G-part ``h`` per halo exchange of ``--strategy hybrid
+    --groups M`` over the ``world``-way row split ``part`` (its G-parts are ``part // M``)."""
+    g = int(world) // int(groups)
+    return pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part // int(groups), g, tuple(modes))
+
+
+def hybrid_blocks(counts, halo_rows: np.ndarray, groups: int, width: int, stages: int = 1) -> list:
+    """The exchanges of one ``--strategy hybrid --groups M`` aggregation at ``width``, forward,
+    over the P ranks, as :func:`~tessera.parallel.tensor.exchange_blocks` gives a tensor one's
+    (``(rows, widths)``, sender x receiver): the all-to-all into the column split of every row
+    group at once (its members' ``exchange_blocks`` over their row ``counts``), the halo exchange
+    of every column group at once (``halo_rows[g, h]``: rows G-part ``g`` sends G-part ``h``, the
+    plans' ``send_counts``, at the column slice's width; an empty slice sends nothing; pass the
+    transpose for backward), then the all-to-alls back."""
+    from tessera.parallel.hybrid import hybrid_layout
+    from tessera.parallel.tensor import column_bounds, exchange_blocks
+
+    counts = np.asarray(counts, dtype=np.int64)
+    p, layout = counts.size, hybrid_layout(counts.size, groups)
+    per_group = [exchange_blocks(counts[members], width, stages) for members in layout]
+    out = []
+    for k in range(len(per_group[0])):
+        rows, widths = np.zeros((p, p), dtype=np.int64), np.zeros((p, p), dtype=np.int64)
+        for members, blocks in zip(layout, per_group):
+            idx = np.ix_(members, members)
+            rows[idx], widths[idx] = blocks[k]
+        out.append((rows, widths))
+    rows, widths = np.zeros((p, p), dtype=np.int64), np.zeros((p, p), dtype=np.int64)
+    for c, w in enumerate(np.diff(column_bounds(width, groups))):
+        if w:
+            idx = np.ix_(layout[:, c], layout[:, c])
+            rows[idx], widths[idx] = halo_rows, w
+    out.insert(1, (rows, widths))
+    return out
+
+
 def hybrid_pair_bytes(
     counts, halo_rows: np.ndarray, groups: int, width: int, bits: int, stages: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """(data, parameter) bytes per ordered pair ``[src, dst]`` of the P ranks in one
-    ``--strategy hybrid --groups M`` aggregation at ``width``, forward: each row group's
-    all-to-alls (:func:`tensor_pair_bytes` of its members' row ``counts``) and each column group's
-    halo exchange among the G-parts at its column slice's width (``halo_rows[g, h]``: rows G-part
-    ``g`` sends G-part ``h``, the plans' ``send_counts``; pass its transpose for backward)."""
-    from tessera.parallel.hybrid import hybrid_layout
-    from tessera.parallel.tensor import column_bounds
-
-    counts = np.asarray(counts, dtype=np.int64)
-    layout = hybrid_layout(counts.size, groups)
-    data, params = np.zeros((counts.size,) * 2, dtype=np.int64), np.zeros((counts.size,) * 2, dtype=np.int64)
-    for members in layout:
-        d, p = tensor_pair_bytes(counts[members], width, bits, stages)
-        data[np.ix_(members, members)] += d
-        params[np.ix_(members, members)] += p
-    for c, w in enumerate(np.diff(column_bounds(width, groups))):
-        if w:  # an empty column slice sends nothing
-            d, p = pair_bytes(halo_rows, int(w), bits)
-            data[np.ix_(layout[:, c], layout[:, c])] += d
-            params[np.ix_(layout[:, c], layout[:, c])] += p
+    ``--strategy hybrid --groups M`` aggregation at ``width``, forward: the sum over its
+    :func:`hybrid_blocks` (``halo_rows`` as there)."""
+    n = len(counts)
+    data, params = np.zeros((n, n), dtype=np.int64), np.zeros((n, n), dtype=np.int64)
+    for rows, widths in hybrid_blocks(counts, halo_rows, groups, width, stages):
+        d, p, _ = blocks_bytes(rows, widths, bits)
+        data += d
+        params += p
     return data, params
 
 
@@ -538,16 +574,23 @@ def hybrid_volumes(
     split, its G-parts ``part // M`` and their ``mode`` halo rows): bytes per bit width in all, of
     the busiest sender, and apart for the row groups' all-to-alls and the column groups' halo
     exchanges; ``_runtime`` holds the log layout of each bit width (:func:`hybrid_runtime_bytes`)."""
-    from tessera.parallel.hybrid import hybrid_layout, refuse_attention
+    from tessera.parallel.hybrid import check_groups, refuse_attention
 
     refuse_attention(specs)
-    layout = hybrid_layout(int(parts), int(groups))
+    check_groups(int(parts), int(groups))
     plan = exchange_layers(specs, norm, label_prop, dropout)
     part = partition(graph, parts, method, seed)
     counts = np.bincount(part, minlength=int(parts)).astype(np.int64)
-    g = layout.shape[0]
-    halo = pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part // int(groups), g, (mode,))[mode]
-    out: dict[str, Any] = {"parts": int(parts), "groups": int(groups), "mode": mode, "bits": {}, "_runtime": {}}
+    halo = group_halo_rows(graph, part, int(parts), int(groups), (mode,))[mode]
+    out: dict[str, Any] = {
+        "parts": int(parts),
+        "groups": int(groups),
+        "mode": mode,
+        "widths": [w for w, _ in plan],
+        "backward": [b for _, b in plan],
+        "bits": {},
+        "_runtime": {},
+    }
     same_row_group = (np.arange(int(parts))[:, None] // int(groups)) == (np.arange(int(parts))[None, :] // int(groups))
     for b in bits:
         rt = hybrid_runtime_bytes(counts, halo, int(groups), plan, int(b), stages)

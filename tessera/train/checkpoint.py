@@ -1,5 +1,10 @@
 """Checkpoints: written atomically, read back with ``weights_only=True``, and checked field by
-field against the run resuming from them before anything is restored."""
+field against the run resuming from them before anything is restored.
+
+A run whose layers ``--strategy auto`` planned also stores the plan (``plan``: the world size
+and one ``--strategy`` entry per layer), so that resuming it trains under the same strategies
+without planning again; checkpoints of other runs, and those written before plans were stored,
+have ``plan`` None or no ``plan``."""
 
 from __future__ import annotations
 
@@ -11,8 +16,11 @@ from typing import Any, NoReturn
 import torch
 
 from tessera.comm.accounting import epoch_shape
-from tessera.errors import TesseraError
+from tessera.errors import ConfigError, TesseraError
 from tessera.files import atomic_write
+from tessera.nn.models import GNN
+from tessera.parallel.hybrid import check_groups
+from tessera.parallel.mixed import parse_entry
 
 FORMAT = 1
 # Every top-level field Trainer.state writes, and its type.
@@ -28,6 +36,7 @@ _FIELDS: dict[str, type] = {
     "bad_epochs": int,
     "history": list,
 }
+_OPTIONAL = ("plan",)  # fields a checkpoint may lack (written before they existed)
 _RECORD_NUMBERS = ("train_loss", "train_acc", "val_acc", "test_acc", "val_loss", "epoch_time_s")
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 _ADAM_GROUP = ("params", "lr", "betas", "eps", "weight_decay")  # what Adam.step cannot do without
@@ -115,9 +124,11 @@ def check_layout(ckpt: Any, path: str | Path, config_keys: Iterable[str]) -> Non
             f"checkpoint {path} holds a {type(ckpt).__name__}, not a tessera checkpoint; "
             "delete the checkpoint or drop --resume"
         )
-    c.keys("", ckpt, _FIELDS)
+    c.keys("", ckpt, _FIELDS, _OPTIONAL)
     for k, kind in _FIELDS.items():
         c.kind(_show(k), ckpt[k], kind)
+    if ckpt.get("plan") is not None:
+        c.kind("'plan'", ckpt["plan"], dict)
     if ckpt["format"] != FORMAT:
         c.fail("'format'", f"is {ckpt['format']}, this tessera reads format {FORMAT}")
     for k in config_keys:
@@ -127,10 +138,12 @@ def check_layout(ckpt: Any, path: str | Path, config_keys: Iterable[str]) -> Non
             c.fail(_join("'config'", k), f"is a {type(ckpt['config'][k]).__name__}, expected a setting's value")
 
 
-def check_contents(ckpt: dict[str, Any], path: str | Path, model: torch.nn.Module, opt: torch.optim.Adam) -> None:
+def check_contents(ckpt: dict[str, Any], path: str | Path, model: GNN, opt: torch.optim.Adam) -> None:
     """Raise :class:`TesseraError` unless every tensor in ``ckpt`` (laid out as
-    :func:`check_layout` checks) fits ``model`` and ``opt``, and counters and history are consistent."""
+    :func:`check_layout` checks) fits ``model`` and ``opt``, counters and history are consistent,
+    and its plan is one ``model`` can train with (:func:`check_plan`)."""
     c = _Check(path)
+    check_plan(ckpt, path, model)
     epoch = ckpt["epoch"]
     c.count("'epoch'", epoch, 0, 2**62)
     c.count("'bad_epochs'", ckpt["bad_epochs"], 0, epoch)
@@ -145,6 +158,35 @@ def check_contents(ckpt: dict[str, Any], path: str | Path, model: torch.nn.Modul
     if best["state"] is not None:
         c.state_dict("'best'['state']", best["state"], model.state_dict())
     _check_history(c, ckpt["history"], epoch)
+
+
+def check_plan(ckpt: dict[str, Any], path: str | Path, model: GNN) -> dict[str, Any] | None:
+    """The plan in ``ckpt`` (laid out as :func:`check_layout` checks), None when it has none;
+    raise :class:`TesseraError` unless it names a world size of at least 2 and
+    one ``--strategy`` entry per layer of ``model``, each in a placement its layer can run and
+    with a hybrid M dividing the world size."""
+    plan = ckpt.get("plan")
+    if plan is None:
+        return None
+    c = _Check(path)
+    c.keys("'plan'", plan, ("world", "choices"))
+    c.count("'plan'['world']", plan["world"], 2, 2**31)
+    entries = plan["choices"]
+    c.kind("'plan'['choices']", entries, list)
+    if len(entries) != len(model.convs):
+        c.fail("'plan'['choices']", f"has {len(entries)} entries, but the model has {len(model.convs)} layers")
+    for i, (entry, conv) in enumerate(zip(entries, model.convs)):
+        field = f"'plan'['choices'][{i}]"
+        c.kind(field, entry, str)
+        try:
+            choice = parse_entry(entry)
+            if choice.strategy == "hybrid" and "groups" in dict(choice.overrides):
+                check_groups(plan["world"], dict(choice.overrides)["groups"])
+        except ConfigError as e:
+            c.fail(field, f"is {_show(entry)}, not an entry for {plan['world']} ranks ({e})")
+        if choice.aggregate_first is not None and choice.aggregate_first not in conv.placements():
+            c.fail(field, f"is {_show(entry)}, a placement layer {i} cannot run")
+    return plan
 
 
 def _check_optimizer(c: _Check, value: Any, opt: torch.optim.Adam) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,4 +223,44 @@ def make_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tra
         if k not in FIELDS:
             raise ConfigError(f"unknown setting {k!r}; known settings: {', '.join(sorted(FIELDS))}")
         setattr(cfg, k, typed(k, v))
-    return cfg.validate()
+    cfg.validate()
+    check_strategy_flags(cfg, merged)
+    return cfg
+
+
+#: settings only some strategies read, refused where the run's strategies all leave them unread
+STRATEGY_FLAGS = ("pipeline_stages", "groups")
+#: of those, what ``--strategy auto`` reads: its tensor and hybrid candidates use the run's
+#: pipeline stages, but each hybrid candidate names its own M
+AUTO_READS = ("pipeline_stages",)
+
+
+def check_strategy_flags(cfg: TrainConfig, given: Iterable[str]) -> None:
+    """Raise :class:`ConfigError` for a setting of :data:`STRATEGY_FLAGS` that is ``given``
+    (on the command line or in the file) but that no layer's strategy reads: ``--groups`` sets M
+    only for hybrid entries that name none. ``auto`` reads :data:`AUTO_READS`, but not from part
+    files, where it runs partition parallelism."""
+    from tessera.parallel import STRATEGIES
+
+    choices = parse_strategy(cfg.strategy, cfg.layers)
+    for name in STRATEGY_FLAGS:
+        if name not in given:
+            continue
+        if choices is None:
+            used = name in AUTO_READS and not cfg.parts_dir
+        else:
+            used = any(name in STRATEGIES[c.strategy].reads and name not in dict(c.overrides) for c in choices)
+        if not used:
+            flag = f"--{name.replace('_', '-')}"
+            readers = [k for k, s in sorted(STRATEGIES.items()) if name in s.reads]
+            readers = " and ".join(readers) + (" strategies" if len(readers) > 1 else " strategy")
+            if choices is not None:
+                why = f"no layer of --strategy {cfg.strategy} uses it"
+                why += " (hybrid:M entries name their own M)" if name == "groups" else ""
+            elif cfg.parts_dir:
+                why = "from part files --strategy auto runs partition parallelism"
+            else:
+                why = "--strategy auto picks each layer's M itself"
+            raise ConfigError(
+                f"{flag} is read by the {readers} only, and {why}; drop {flag} or choose a strategy that uses it"
+            )

@@ -78,7 +78,9 @@ class Trainer:
         if cfg.threads:
             set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        run = prepare(cfg, graph, self.comm)
+        self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
+        self._resume = self._read_checkpoint()
+        run = prepare(cfg, graph, self.comm, None if self._resume is None else (self.out / CHECKPOINT, self._resume))
         self.model, self.operands, self.order, self.counts = run.model, run.operands, run.order, run.counts
         shard = run.shard
         self.x, self.y, self.global_ids = run.x, shard.y, shard.ids
@@ -91,7 +93,6 @@ class Trainer:
         self.strategy, self.log, self.plan = run.strategy, run.strategy.log, run.plan
         self.comm_totals: dict[str, Any] = {}
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
         self.epoch = 0
         self.best: dict[str, Any] = {"val_acc": -1.0, "val_loss": float("inf"), "epoch": 0, "state": None}
         self.bad_epochs = 0
@@ -171,17 +172,22 @@ class Trainer:
             "best": self.best,
             "bad_epochs": self.bad_epochs,
             "history": self.history,
+            "plan": None if self.plan is None else {"world": self.plan["world"], "choices": list(self.plan["choices"])},
         }
 
-    def load_state(self, ckpt: dict[str, Any]) -> None:
-        """Restore a checkpoint written by :meth:`state`, after checking every field and that it
-        belongs to this run; a bad field raises :class:`TesseraError` before anything changes."""
+    def _read_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint ``--resume`` continues from (None without one), its layout and settings
+        checked: its plan decides the layers' strategies before the rest is restored."""
         path = self.out / CHECKPOINT
+        if not self.cfg.resume or not path.exists():
+            return None
+        ckpt = load_checkpoint(path)
         check_layout(ckpt, path, _RESUME_KEYS)
-        if ckpt["graph"] != self.fingerprint():
-            raise ConfigError(
-                f"checkpoint in {self.out} was written for a different graph; use another --out or drop --resume"
-            )
+        self._check_settings(ckpt)
+        return ckpt
+
+    def _check_settings(self, ckpt: dict[str, Any]) -> None:
+        """Raise :class:`ConfigError` unless ``ckpt`` was written with this run's settings."""
         old = ckpt["config"]
         defaults = TrainConfig()
         for k in (*_RESUME_KEYS, *_RESUME_KEYS_SINCE):
@@ -196,6 +202,17 @@ class Trainer:
                 f"checkpoint in {self.out} has split={old['split']!r} but this run has {self.cfg.split!r}; "
                 "use the same --split or another --out"
             )
+
+    def load_state(self, ckpt: dict[str, Any]) -> None:
+        """Restore a checkpoint written by :meth:`state`, after checking every field and that it
+        belongs to this run; a bad field raises :class:`TesseraError` before anything changes."""
+        path = self.out / CHECKPOINT
+        check_layout(ckpt, path, _RESUME_KEYS)
+        if ckpt["graph"] != self.fingerprint():
+            raise ConfigError(
+                f"checkpoint in {self.out} was written for a different graph; use another --out or drop --resume"
+            )
+        self._check_settings(ckpt)
         check_contents(ckpt, path, self.model, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
@@ -237,12 +254,12 @@ class Trainer:
         """Train until ``epochs`` or early stopping, restore the best-validation weights, test."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        ckpt_path = self.out / CHECKPOINT
         if self.is_main:  # only rank 0 writes: what a killed write left behind is nobody's now
             for name in (CHECKPOINT, METRICS, RESULT, PLOT):
                 remove_stale_temps(self.out / name)
-        if cfg.resume and ckpt_path.exists():
-            self.load_state(load_checkpoint(ckpt_path))
+        if self._resume is not None:
+            ckpt, self._resume = self._resume, None
+            self.load_state(ckpt)
         elif cfg.resume and self.is_main:
             print(f"tessera: no checkpoint in {self.out}; starting from epoch 1", file=sys.stderr)
         metrics = self._start_metrics()

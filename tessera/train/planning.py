@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import torch
 
 from tessera.comm.group import Comm
+from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.nn.models import GNN
 from tessera.parallel.base import StrategyOptions
@@ -50,16 +52,36 @@ def model_probe(model: GNN, cfg: TrainConfig) -> LayerProbe:
 
 
 def layer_choices(
-    cfg: TrainConfig, model: GNN, source: Graph | dict[str, Any], comm: Comm, options: StrategyOptions
+    cfg: TrainConfig,
+    model: GNN,
+    source: Graph | dict[str, Any],
+    comm: Comm,
+    options: StrategyOptions,
+    resumed: dict[str, Any] | None = None,
 ) -> tuple[list[LayerChoice], dict[str, Any] | None, StrategyPool | None]:
-    """Each layer's strategy for a distributed run, the planner's record (None unless ``auto``
+    """Each layer's strategy for a distributed run, the plan's record (None unless ``auto``
     planned) and the strategies it sharded. ``auto`` plans on a whole graph whose layers all run
-    under more than one strategy; from part files, or with attention layers, it is partition."""
+    under more than one strategy; from part files, or with attention layers, it is partition.
+    ``resumed`` is the plan of the checkpoint the run resumes from (``world`` and ``choices``):
+    ``auto`` trains with it, unplanned, when it is for this world size."""
     choices = parse_strategy(cfg.strategy, cfg.layers)
     if choices is not None:
         return choices, None, None
     if not isinstance(source, Graph) or any(s.edge_values for s in model.describe()):
+        if cfg.pipeline_stages != 1:
+            raise ConfigError(
+                "--pipeline-stages is read by the hybrid and tensor strategies only, and --strategy auto runs "
+                "partition parallelism for attention layers and from part files; drop --pipeline-stages"
+            )
         return [LayerChoice("partition")] * cfg.layers, None, None
+    if resumed is not None and resumed["world"] == comm.world:
+        rec = {"choices": list(resumed["choices"]), "world": comm.world, "source": "checkpoint"}
+        return plan_choices(rec), rec, None
+    if resumed is not None and comm.rank == 0:
+        print(
+            f"tessera: the checkpoint's plan is for {resumed['world']} ranks; planning the layers for {comm.world}",
+            file=sys.stderr,
+        )
     with torch.random.fork_rng():  # planning draws nothing from the run's random stream
         rec, pool = plan_layers(comm, source, options, model_probe(model, cfg))
     return plan_choices(rec), rec, pool

@@ -24,6 +24,7 @@ from tessera.parallel import Shard, Strategy, StrategyOptions, make_strategy
 from tessera.parallel.base import SPLITS
 from tessera.parallel.mixed import make_layer_strategy
 from tessera.sparse import Operand
+from tessera.train.checkpoint import check_plan
 from tessera.train.config import TrainConfig
 from tessera.train.planning import layer_choices
 
@@ -119,9 +120,13 @@ def check_model_memory(cfg: TrainConfig, rows: int, in_dim: int) -> None:
         )
 
 
-def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Setup:
+def prepare(
+    cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm, checkpoint: tuple[Path, dict] | None = None
+) -> Setup:
     """Build the model, split the graph (``source`` is the whole graph, or this rank's part file
-    from ``tessera partition --out``) and prepare features, order and operands for ``cfg``."""
+    from ``tessera partition --out``) and prepare features, order and operands for ``cfg``;
+    ``checkpoint`` (its path and contents) is the one the run resumes from, whose plan ``auto``
+    reuses."""
     distributed = comm.world > 1 or not isinstance(source, Graph)
     in_dim, classes = _dims(source)
     relations = _relations(cfg, source)
@@ -148,7 +153,8 @@ def prepare(cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm) -> Set
     )
     plan = None
     if distributed:
-        choices, plan, pool = layer_choices(cfg, model, source, comm, options)
+        resumed = check_plan(checkpoint[1], checkpoint[0], model) if checkpoint is not None else None
+        choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed)
         for conv, choice in zip(model.convs, choices):
             conv.place(choice.aggregate_first)
         strategy = make_layer_strategy(comm, options, choices, pool)

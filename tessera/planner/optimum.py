@@ -1,0 +1,162 @@
+"""Each layer's modelled optimum, with every candidate's communication from the simulator's blocks.
+
+:mod:`tessera.planner.candidates` models a candidate's communication from the context's pair
+rows and per-group shortcuts. Here it is derived apart, from the blocks the simulator counts
+bytes from (and so the bytes the runtime logs), over all P ranks of ``simulate_volumes``' row
+split: partition, its mode's pair rows (transposed backward); tensor, ``exchange_blocks`` of the
+ranks' row counts, per pass (as ``project_tensor``); hybrid, :func:`~tessera.planner.volume.hybrid_blocks`
+of the row counts and the G-parts' halo rows (transposed backward). Each is at the width and
+with the backward exchange the simulator gives the layer (``exchange_layers``: a layer 0 that
+aggregates constant raw features at ``--dropout 0`` exchanges nothing), timed by SuperGCN's model
+over blocks: per exchange, its slowest sender (:func:`~tessera.planner.model.blocks_sender_s`).
+A hybrid exchange's senders are its row groups' (all-to-all) or its column groups' (halo), each
+group timed apart, so no P x P matrix is built. With the candidate's own compute terms (the same
+rates), a layer's candidate of least total is its modelled optimum, which the model-only plan
+must choose (``tessera simulate --plan`` prints whether it does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tessera.errors import ConfigError
+from tessera.parallel.base import StrategyOptions
+from tessera.parallel.hybrid import hybrid_layout
+from tessera.parallel.mixed import LayerChoice
+from tessera.parallel.tensor import column_bounds, exchange_blocks
+from tessera.planner.candidates import Context
+from tessera.planner.model import CommModel, blocks_sender_s
+from tessera.planner.plan import LayerProbe, model_layers
+from tessera.planner.volume import exchange_layers, group_halo_rows
+
+TOLERANCE = 1e-9  # relative: the same sums in another order
+
+
+def _slowest(rows: np.ndarray, widths, bits: int, m: CommModel) -> float:
+    t = blocks_sender_s(rows, widths, bits, m)
+    return float(t.max()) if t.size else 0.0
+
+
+def _partition_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> float:
+    rows = sim.vol["_rows"][o.remote_agg]
+    m = sim.link
+    return _slowest(rows, width, o.comm_bits, m) + (_slowest(rows.T, width, o.comm_bits, m) if back else 0.0)
+
+
+def _tensor_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> float:
+    blocks = exchange_blocks(sim.vol["_owned"], width, o.pipeline_stages)
+    return (1 + back) * sum(_slowest(r, w, o.comm_bits, sim.link) for r, w in blocks)
+
+
+def _hybrid_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> float:
+    a2a = sim.memo(("a2a", o.groups, width, o.comm_bits, o.pipeline_stages), lambda: _row_groups_s(sim, o, width))
+    halo = sim.halo_rows(o.groups, o.remote_agg)
+    # the halo exchange of every column group at once, each at its column slice's width
+    slices = {int(w) for w in np.diff(column_bounds(width, o.groups)) if w}
+    total = 0.0
+    for rows in (halo, halo.T) if back else (halo,):
+        total += a2a + max((_slowest(rows, w, o.comm_bits, sim.link) for w in slices), default=0.0)
+    return total
+
+
+def _row_groups_s(sim: _Simulated, o: StrategyOptions, width: int) -> float:
+    """Every row group's all-to-alls at once, one after another: each the slowest sender of all
+    groups (groups of the same row counts send the same)."""
+    groups = np.unique(sim.vol["_owned"][hybrid_layout(sim.world, o.groups)], axis=0)
+    per = [
+        [_slowest(r, w, o.comm_bits, sim.link) for r, w in exchange_blocks(c, width, o.pipeline_stages)] for c in groups
+    ]
+    return float(np.max(per, axis=0).sum())
+
+
+#: strategy -> its candidates' communication seconds from the simulator's blocks
+SIMULATED: dict[str, Callable[[_Simulated, StrategyOptions, int, bool], float]] = {
+    "partition": _partition_s,
+    "tensor": _tensor_s,
+    "hybrid": _hybrid_s,
+}
+
+
+class _Simulated:
+    """The simulator's row split, pair rows and row counts for one world size, and the G-parts'
+    halo rows of each hybrid M (computed on first use)."""
+
+    def __init__(self, ctx: Context, vol: dict[str, Any]) -> None:
+        self.ctx, self.vol, self.world, self.link = ctx, vol, int(vol["parts"]), ctx.rates.comm()
+        self._halo: dict[int, dict[str, np.ndarray]] = {}
+        self._memo: dict[tuple, float] = {}
+
+    def halo_rows(self, groups: int, mode: str) -> np.ndarray:
+        """Rows G-part ``g`` sends G-part ``h`` per halo exchange of hybrid(``groups``) in ``mode``."""
+        if groups not in self._halo:
+            self._halo[groups] = group_halo_rows(self.ctx.graph, self.vol["_part"], self.world, groups)
+        return self._halo[groups][mode]
+
+    def memo(self, key: tuple, make: Callable[[], float]) -> float:
+        """``make()``, computed once per ``key``."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+
+def simulated_comm_s(sim: _Simulated, choice: LayerChoice, width: int, back: bool) -> float:
+    """Seconds of one training step's exchanges of a layer under ``choice`` at exchange
+    ``width`` (0: none), backward too where ``back``, from the simulator's blocks."""
+    if not width:
+        return 0.0
+    if choice.strategy not in SIMULATED:
+        raise ConfigError(f"no simulated communication for strategy {choice.strategy!r}")
+    return SIMULATED[choice.strategy](sim, choice.options(sim.ctx.options), width, back)
+
+
+def optimum_layers(ctx: Context, probe: LayerProbe, vol: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per layer, every candidate the planner models (:func:`~tessera.planner.plan.model_layers`)
+    with its modelled and its simulated communication and total (milliseconds), and the label of
+    the least simulated total (``optimum``). ``vol`` is ``simulate_volumes``' result for
+    ``ctx``'s graph, world size and row split, every ``--remote-agg`` mode simulated; its norm,
+    label propagation and dropout give each layer's exchange width and backward exchange."""
+    if vol["parts"] != ctx.world or not np.array_equal(vol["_part"], ctx.part):
+        raise ConfigError("the simulated volumes are of another row split than the planner's")
+    sim = _Simulated(ctx, vol)
+    natural = [probe.spec(i, places[0]) for i, places in enumerate(probe.placements)]
+    out = []
+    for i, cands in enumerate(model_layers(ctx, probe)):
+        places = probe.placements[i]
+        exchange = {}
+        for p in places:
+            specs = [*natural[:i], probe.spec(i, p), *natural[i + 1 :]]
+            exchange[p] = exchange_layers(specs, vol["norm"], vol["label_prop"], vol["dropout"])[i]
+        rows = []
+        for c in cands:
+            choice = c["choice"]
+            width, back = exchange[places[0] if choice.aggregate_first is None else choice.aggregate_first]
+            comm = float(simulated_comm_s(sim, choice, width, back))
+            rows.append(
+                {
+                    "label": c["label"],
+                    "kind": c["kind"],
+                    "comm_ms": 1e3 * c["model"]["comm_s"],
+                    "simulated_comm_ms": 1e3 * comm,
+                    "simulated_ms": 1e3 * (c["modelled_s"] - c["model"]["comm_s"] + comm),
+                }
+            )
+        best = min(rows, key=lambda r: r["simulated_ms"])
+        out.append({"layer": i, "optimum": best["label"], "optimum_ms": best["simulated_ms"], "candidates": rows})
+    return out
+
+
+def check_choices(plan: dict[str, Any], optimum: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether each of ``plan``'s layer choices is its layer's modelled optimum (of least simulated
+    total, ties within :data:`TOLERANCE` counting as equal), and the largest relative difference
+    between a candidate's modelled and simulated communication."""
+    matches, worst = [], 0.0
+    for choice, layer in zip(plan["choices"], optimum, strict=True):
+        by_label = {c["label"]: c for c in layer["candidates"]}
+        matches.append(bool(by_label[choice]["simulated_ms"] <= layer["optimum_ms"] * (1 + TOLERANCE)))
+        for c in layer["candidates"]:
+            scale = max(abs(c["simulated_comm_ms"]), abs(c["comm_ms"]), 1e-300)
+            worst = max(worst, abs(c["comm_ms"] - c["simulated_comm_ms"]) / scale)
+    return {"matches": matches, "optimum": [la["optimum"] for la in optimum], "comm_rel_diff": float(worst)}
