@@ -36,6 +36,7 @@ from tessera.sparse.gtask_kernels import (
     CATEGORIES,
     OutlierPolicy,
     build_execution,
+    gather_rows,
     run_blocks,
     typed_message_sum,
     typed_message_sum_reference,
@@ -150,13 +151,13 @@ def main() -> None:
         for handle in (False, True):
             pol = OutlierPolicy(handle=handle)
             ex = build_execution(plan, pol)
-            xs = aggregate(ex.gather, x, backend="csr")
+            xs = gather_rows(ex, x)
             fns = {
                 c: (lambda c=c, ex=ex, xs=xs: run_blocks(ex, xs, w, [b for b in ex.blocks if b.category == c]))
                 for c in CATEGORIES
             }
-            fns["gather"] = lambda ex=ex: aggregate(ex.gather, x, backend="csr")
-            ys = torch.cat(run_blocks(ex, xs, w))
+            fns["gather"] = lambda ex=ex: gather_rows(ex, x)
+            ys = run_blocks(ex, xs, w)
             fns["scatter"] = lambda ex=ex, ys=ys: aggregate(ex.scatter, ys, backend="csr")
             fns["total"] = lambda pol=pol: typed_message_sum(x, w, plan, pol)
             t = _median_times(fns, args.repeats)

@@ -578,6 +578,11 @@ def simulate_parts_beyond_range(d):
     return ["simulate", "--dataset", "synthetic:tiny", "--parts", str(10**12)]
 
 
+@case("--placement takes auto, aggregate-first or transform-first")
+def simulate_unknown_placement(d):
+    return ["simulate", "--dataset", "synthetic:tiny-rel", "--model", "rgcn", "--parts", "2", "--placement", "sideways"]
+
+
 @case("--width must be in [1, 65536]")
 def kernels_width_beyond_range(d):
     return ["kernels", "--dataset", "synthetic:tiny", "--width", "1000000000"]

@@ -98,6 +98,7 @@ def test_cost_model_prunes_by_flops_and_the_measured_choice_is_cached(graph, mon
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
     monkeypatch.setattr(choice, "_TRIAL_MIN_FLOPS", 0)
     monkeypatch.setattr(choice, "ranked_variants", lambda *a: list(VARIANTS))
+    monkeypatch.setattr(choice, "WARMUP_FLOOR", float("inf"))  # a cold numba cache must not drop one
     calls = []
     real = choice.measure
     monkeypatch.setattr(choice, "measure", lambda *a: calls.append(1) or real(*a))
@@ -110,6 +111,33 @@ def test_cost_model_prunes_by_flops_and_the_measured_choice_is_cached(graph, mon
     assert entries[key]["choice"] == first and set(entries[key]["seconds"]) == set(VARIANTS)
     again = Graph.from_edge_index(g.edge_index(), g.num_nodes, edge_type=g.edge_type, num_relations=R)
     assert choice.choose_variant(as_operand(again).relations(), x, w, "mean") == first and len(calls) == 1
+
+
+def test_a_variant_whose_warm_up_is_far_slower_gets_no_timed_passes(graph, monkeypatch, tmp_path):
+    assert choice.warm_survivors({"a": 2.0, "b": 5.9, "c": 6.1}) == ["a", "b"]  # cap 3 x 2.0 s
+    assert choice.warm_survivors({"a": 0.01, "b": 0.9}) == ["a", "b"]  # under the 1 s floor
+    g, _, _ = graph
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    monkeypatch.setattr(choice, "_TRIAL_MIN_FLOPS", 0)
+    monkeypatch.setattr(choice, "ranked_variants", lambda *a: ["unique_source", "gtask", "aggregate_first"])
+    now, runs = [0.0], []  # a clock that each pass advances: gtask 30 s, the others 2 s
+    real = choice.run_variant
+
+    def run(rel, name, *args):
+        runs.append(name)
+        now[0] += 30.0 if name == "gtask" else 2.0
+        return real(rel, name, *args)
+
+    monkeypatch.setattr(choice, "run_variant", run)
+    monkeypatch.setattr(choice, "_clock", lambda: now[0])
+    fresh = Graph.from_edge_index(g.edge_index(), g.num_nodes, edge_type=g.edge_type, num_relations=R)
+    rel = as_operand(fresh).relations()
+    x, w = torch.randn(g.num_nodes, 6), torch.randn(R, 6, 4)
+    assert choice.choose_variant(rel, x, w, "sum") == "unique_source"
+    assert runs.count("gtask") == 1  # its warm-up only
+    assert runs.count("unique_source") == runs.count("aggregate_first") == 1 + choice._TRIAL_REPS
+    entry = json.loads(cache_file().read_text())[choice.decision_key(rel, 6, 4, "sum")]
+    assert entry["seconds"] == {"unique_source": 2.0, "aggregate_first": 2.0} and entry["dropped"] == {"gtask": 30.0}
 
 
 def test_untyped_graph_and_wrong_relation_count_are_clear_errors(graph):

@@ -72,6 +72,22 @@ def test_measured_choice_is_the_fastest_and_is_reused_from_disk(cache, monkeypat
     assert select.decision_key(g, 64, False, 1, "forward") != key
 
 
+def test_modelled_only_runs_the_model_favourite_unmeasured_and_unrecorded(cache, monkeypatch):
+    g = generate("tiny", seed=0)
+    monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)
+    x = torch.randn(g.num_nodes, 32)
+    favourite = select.trial_candidates(g, 32, False, False, select.candidates(x))[0]
+    real = select.measure
+    monkeypatch.setattr(select, "measure", lambda *a, **k: pytest.fail("measured inside modelled_only"))
+    with select.modelled_only():
+        assert select.choose(g, x, None, "forward") == favourite
+    assert not cache.exists()
+    seen = []
+    monkeypatch.setattr(select, "measure", lambda *a, **k: seen.append(1) or real(*a, **k))
+    select.choose(g, x, None, "forward")  # outside the block the product decides as usual
+    assert seen == [1] and cache.exists()
+
+
 def test_unreadable_cache_file_is_ignored(cache, monkeypatch):
     cache.write_text("{not json")
     g = generate("tiny", seed=0)

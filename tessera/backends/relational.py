@@ -5,9 +5,15 @@ The rule, as :func:`tessera.backends.select.choose` does for kernels: the cost m
 prunes every variant modelled more than ``PRUNE_FACTOR`` (2x) slower than the best; when one
 survives, or the problem is too small for a trial to pay (fewer than ``_TRIAL_MIN_FLOPS``
 modelled FLOPs), the model's best is taken. Otherwise each survivor runs one forward and backward
-pass on the real input (after a warm-up), alternating, and the fastest median wins. Decisions are
-kept in memory per graph and on disk in the kernel cache (``kernels.json``), keyed by the graph's
-fingerprint, widths, reduce and thread count, so a later run reuses them without measuring.
+pass on the real input as a warm-up (it builds the variant's structures), then the survivors
+whose warm-up took at most ``WARMUP_FACTOR`` (3x) the fastest warm-up, or under ``WARMUP_FLOOR``
+(1 s), run ``_TRIAL_REPS`` timed passes, alternating, and the fastest median wins. The cap bounds
+what a trial costs: a variant whose first pass is far slower than the others' (a cold kernel, a
+structure that takes long to build, a model that is wrong for this input) runs once, not
+``1 + _TRIAL_REPS`` times, and is not chosen. Decisions are kept in memory per graph and on disk
+in the kernel cache (``kernels.json``; the dropped variants' warm-up seconds under ``dropped``),
+keyed by the graph's fingerprint, widths, reduce and thread count, so a later run reuses them
+without measuring.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from tessera.sparse.relation_plan import Relations, ranked_variants, variant_cos
 from tessera.sparse.relational import run_variant
 
 _TRIAL_REPS = 2
+WARMUP_FACTOR = 3.0  # a warm-up slower than this times the fastest one drops the variant ...
+WARMUP_FLOOR = 1.0  # ... unless it took under this many seconds (then a trial costs nothing worth saving)
+_clock = time.perf_counter
 _TRIAL_MIN_FLOPS = 2e9  # below this a whole layer takes milliseconds: the model decides alone
 _VERSION = 1
 
@@ -32,24 +41,35 @@ def decision_key(rel: Relations, fi: int, fo: int, reduce: str) -> str:
     return f"rgcn{_VERSION}|{fp}|fi{fi}|fo{fo}|{reduce}|t{torch.get_num_threads()}"
 
 
-def measure(rel: Relations, x: torch.Tensor, weight: torch.Tensor, reduce: str, names: list[str]) -> dict[str, float]:
-    """Median seconds of one forward and backward pass of each variant on this input."""
+def warm_survivors(warmups: dict[str, float]) -> list[str]:
+    """The variants that go on to timed passes: warm-up within :data:`WARMUP_FACTOR` of the
+    fastest one, or under :data:`WARMUP_FLOOR` seconds (in ``warmups``' order)."""
+    cap = max(WARMUP_FACTOR * min(warmups.values()), WARMUP_FLOOR)
+    return [name for name, t in warmups.items() if t <= cap]
+
+
+def measure(
+    rel: Relations, x: torch.Tensor, weight: torch.Tensor, reduce: str, names: list[str]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of one forward and backward pass of each variant on this input that survives
+    its warm-up (:func:`warm_survivors`), and the warm-up seconds of those dropped."""
     x = x.detach().requires_grad_(True)
     w = weight.detach().requires_grad_(True)
 
-    def step(name: str) -> None:
+    def step(name: str) -> float:
+        t0 = _clock()
         out = run_variant(rel, name, x, w, reduce)
         out.backward(torch.ones_like(out))
+        return _clock() - t0
 
-    for name in names:
-        step(name)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    warmups = {name: step(name) for name in names}
+    kept = warm_survivors(warmups)
+    times: dict[str, list[float]] = {name: [] for name in kept}
     for _ in range(_TRIAL_REPS):
-        for name in names:
-            t0 = time.perf_counter()
-            step(name)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+        for name in kept:
+            times[name].append(step(name))
+    dropped = {name: t for name, t in warmups.items() if name not in times}
+    return {name: statistics.median(t) for name, t in times.items()}, dropped
 
 
 def choose_variant(rel: Relations, x: torch.Tensor, weight: torch.Tensor, reduce: str) -> str:
@@ -64,4 +84,5 @@ def choose_variant(rel: Relations, x: torch.Tensor, weight: torch.Tensor, reduce
     if len(ranked) == 1 or variant_cost(stats, fi, fo, ranked[0])[0] < _TRIAL_MIN_FLOPS:
         select.remember(rel.matrix, key, ranked[0])
         return ranked[0]
-    return select.record(rel.matrix, key, measure(rel, x, weight, reduce, ranked))
+    seconds, dropped = measure(rel, x, weight, reduce, ranked)
+    return select.record(rel.matrix, key, seconds, dropped=dropped)

@@ -16,6 +16,8 @@ import statistics
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,27 @@ _TRIAL_MIN_WORK = 4_000_000
 _DIRECTIONS = ("forward", "backward")
 _lock = threading.Lock()
 _memo = PlanCache()  # per matrix: decision key -> backend name
+
+
+class _State(threading.local):
+    modelled_only = False  # decide undecided products by the model, unrecorded
+
+
+_state = _State()
+
+
+@contextmanager
+def modelled_only() -> Iterator[None]:
+    """Within this block, a product with no decision yet runs the cost model's favourite without a
+    measured trial and without recording it (the planner's trial steps: a backend trial on a
+    candidate that may be discarded would be time spent on nothing; a later product outside the
+    block decides as usual)."""
+    before = _state.modelled_only
+    _state.modelled_only = True
+    try:
+        yield
+    finally:
+        _state.modelled_only = before
 
 
 def cache_file() -> Path:
@@ -91,6 +114,8 @@ def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, d
         return known
     transposed = direction == "backward"
     trial = trial_candidates(matrix, width, weight is not None, transposed, names)
+    if _state.modelled_only:
+        return trial[0]
     if len(trial) > 1:
         return record(matrix, key, measure(matrix, x, weight, trial, transposed))
     return remember(matrix, key, trial[0])
@@ -125,12 +150,12 @@ def trial_candidates(matrix: CSRStructure, width: int, weighted: bool, transpose
     return [n for n in ranked if costs[n] <= 3 * costs[ranked[0]]]
 
 
-def record(matrix: CSRStructure, key: str, seconds: dict[str, float]) -> str:
+def record(matrix: CSRStructure, key: str, seconds: dict[str, float], **notes: Any) -> str:
     """Store the fastest of ``seconds`` (measured backend times) as the decision for ``key``, in
-    memory and (for a matrix with a fingerprint) on disk, and return it."""
+    memory and (for a matrix with a fingerprint) on disk with ``notes`` beside it, and return it."""
     choice = min(seconds, key=seconds.get)
     if matrix.fingerprint() is not None:
-        _write_disk(key, {"choice": choice, "seconds": seconds})
+        _write_disk(key, {"choice": choice, "seconds": seconds, **notes})
     _memo.entries(matrix)[key] = choice
     return choice
 

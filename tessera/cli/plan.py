@@ -151,10 +151,11 @@ def _model_only(g, cfg, options, probe, bits, args) -> dict[str, Any]:
     from tessera.planner.calibrate import local_rates
     from tessera.planner.candidates import Context
     from tessera.planner.model import CommModel
-    from tessera.planner.plan import model_plan
+    from tessera.planner.plan import aggregate_widths, model_plan
 
     t0 = time.perf_counter()
-    rates = local_rates(g, cfg.nprocs, CommModel(args.bandwidth_gbps, args.latency_us), cfg.backend)
+    link = CommModel(args.bandwidth_gbps, args.latency_us)
+    rates = local_rates(g, cfg.nprocs, link, cfg.backend, aggregate_widths(probe))
     part = partition(g, cfg.nprocs, cfg.partition, cfg.seed)
     rec = model_plan(Context(g, cfg.nprocs, part, options, rates, bits), probe)
     rec["planning_s"] = time.perf_counter() - t0

@@ -88,6 +88,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tensor strategy's pipeline stages, as train --pipeline-stages: below 32 bits each stage's "
         "blocks carry their own quantization groups (default 1)",
     )
+    s.add_argument(
+        "--placement",
+        default="auto",
+        help="each layer's operation placement, as a --strategy entry's @ suffix: auto, aggregate-first or "
+        "transform-first, or a comma list of them per layer; rgcn's aggregate-first gathers its input rows, "
+        "transform-first sends W_r x_j per remote (relation, source) pair, auto takes the fewer bytes (default auto)",
+    )
     s.add_argument("--remote-agg", default="all", help="pre | post | prepost | all, or a comma list (default all)")
     s.add_argument("--comm-bits", default="32,2", help="comma list from 32,8,4,2 (default 32,2)")
     s.add_argument(
@@ -134,6 +141,20 @@ def _modes(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(modes))
 
 
+def _placements(text: str, layers: int) -> list[bool | None]:
+    """``--placement``: one ``aggregate_first`` value (None: auto) per layer."""
+    from tessera.parallel.mixed import PLACEMENTS
+
+    names = [p.strip() for p in str(text).split(",")]
+    bad = [p for p in names if p != "auto" and p not in PLACEMENTS]
+    if bad or len(names) not in (1, layers):
+        raise ConfigError(
+            f"--placement takes auto, aggregate-first or transform-first, once or once per layer ({layers}), "
+            f"got {text!r}"
+        )
+    return [None if p == "auto" else PLACEMENTS[p] for p in names] * (layers if len(names) == 1 else 1)
+
+
 def _bits(text: str) -> tuple[int, ...]:
     bits = _ints(text, "--comm-bits")
     bad = [b for b in bits if b not in COMM_BITS]
@@ -175,13 +196,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--parts values must be at most {MAX_PARTS:,}, got {args.parts!r}")
     if not 0 <= args.table_layer < args.layers:
         raise ConfigError(f"--table-layer must be in [0, {args.layers}), got {args.table_layer}")
+    placements = _placements(args.placement, args.layers)
     t0 = time.perf_counter()
     g = load(args.dataset or "synthetic:small", name=args.name)
     load_s = time.perf_counter() - t0
     out_dim = args.out_dim if args.out_dim is not None else g.num_classes
     if out_dim is None:
         raise ConfigError("the graph has no labels; pass the output width (--out-dim)")
-    specs = build_model(
+    model = build_model(
         args.model,
         g.num_features,
         args.hidden,
@@ -189,7 +211,10 @@ def run(args: argparse.Namespace) -> int:
         args.layers,
         heads=args.heads,
         num_relations=g.num_relations or 0,
-    ).describe()
+    )
+    for conv, place in zip(model.convs, placements):
+        conv.place(place)
+    specs = model.describe()
     runs = []
     for p in parts:
         t = time.perf_counter()
@@ -260,6 +285,9 @@ def run(args: argparse.Namespace) -> int:
         "MB = 1e6 bytes, per training epoch (forward + backward); evaluation forwards not included"
     )
     print(format_table(runs))
+    if runs[0]["vol"]["placements"]:
+        print()
+        print(format_placements(runs))
     for r in runs:
         print()
         print(format_table5(r, args.table_layer))
@@ -326,6 +354,23 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_placements(runs: list[dict[str, Any]]) -> str:
+    """Per P and bit width, each relational layer's forward exchange under both placements (all
+    ranks' bytes) and the one the run takes."""
+    lines = ["relational layers' placement (forward exchange, MB over all ranks; * taken, fixed: by --placement):"]
+    for r in runs:
+        for bits, layers in r["vol"]["placements"].items():
+            for la in layers:
+                mark = {la["placement"]: "*"}
+                lines.append(
+                    f"P={r['vol']['parts']:>6} {bits:>2}b layer {la['layer']}: "
+                    f"{mark.get('gather', ' ')}gather {la['gather_bytes'] / 1e6:.6f}  "
+                    f"{mark.get('transform-first', ' ')}transform-first {la['transform_first_bytes'] / 1e6:.6f}"
+                    f"{'  (fixed)' if la['fixed'] else ''}"
+                )
+    return "\n".join(lines)
+
+
 def _groups(text: str, parts: int) -> list[int]:
     """The hybrid ``--groups`` values for ``parts`` ranks: ``all`` is every divisor of ``parts``."""
     from tessera.parallel.hybrid import check_groups
@@ -372,7 +417,7 @@ def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, o
     from tessera.planner.calibrate import local_rates
     from tessera.planner.candidates import Context
     from tessera.planner.optimum import check_choices, optimum_layers
-    from tessera.planner.plan import model_plan
+    from tessera.planner.plan import aggregate_widths, model_plan
     from tessera.planner.volume import simulate_volumes
     from tessera.train.config import TrainConfig
     from tessera.train.planning import model_probe
@@ -386,7 +431,7 @@ def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, o
     )
     probe = model_probe(model, cfg)
     options = StrategyOptions(partition=args.method, seed=args.seed, pipeline_stages=args.pipeline_stages)
-    rates = local_rates(g, min(r["vol"]["parts"] for r in runs), m)
+    rates = local_rates(g, min(r["vol"]["parts"] for r in runs), m, widths=aggregate_widths(probe))
     plans = []
     for r in runs:
         vol = r["vol"]

@@ -101,7 +101,10 @@ class CSRMatrix(CSRStructure):
     ``e in [indptr[i], indptr[i+1])`` (``edge_weight`` None: all ones). The product ``out = M @ x``
     is an aggregation into rows from columns, so every backend runs it as it runs a graph's. A
     typed matrix (a partitioned rank's in-edges for RGCN) has ``edge_type``, one relation id per
-    entry in ``[0, num_relations)``, as a typed :class:`~tessera.graph.Graph` has."""
+    entry in ``[0, num_relations)``, as a typed :class:`~tessera.graph.Graph` has. A typed matrix
+    holding only some of its rows' in-edges (a rank's in-edges from its own sources) gives
+    ``relation_degree``: per entry, its row's in-degree within its relation over the whole graph,
+    which a per-relation mean divides by (None: counted in this matrix)."""
 
     indptr: torch.Tensor
     indices: torch.Tensor
@@ -111,6 +114,7 @@ class CSRMatrix(CSRStructure):
     _structure: dict = field(default_factory=dict, repr=False)
     edge_type: torch.Tensor | None = None
     num_relations: int | None = None
+    relation_degree: torch.Tensor | None = None
 
     @classmethod
     def from_numpy(

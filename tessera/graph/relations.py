@@ -68,11 +68,15 @@ def _check_reduce(reduce: str) -> None:
 
 
 def edge_norm(graph: CSRStructure, reduce: str) -> np.ndarray | None:
-    """``1 / |N_r(i)|`` per edge for ``mean`` (float32, CSR order), None for ``sum``."""
+    """``1 / |N_r(i)|`` per edge for ``mean`` (float32, CSR order), None for ``sum``; the counts
+    are the matrix's ``relation_degree`` where it gives them (:class:`~tessera.graph.csr.CSRMatrix`)."""
     _check_reduce(reduce)
     if reduce == "sum":
         return None
     t, r = edge_types(graph)
+    degree = graph.relation_degree if isinstance(graph, CSRMatrix) else None
+    if degree is not None:
+        return (1.0 / degree.numpy()).astype(np.float32)
     key = rows_of(graph.indptr.numpy()) * max(r, 1) + t
     _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
     return (1.0 / counts[inverse]).astype(np.float32)

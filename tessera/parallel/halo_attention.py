@@ -8,9 +8,10 @@ its rows as one local matrix whose columns are its own rows followed by the rece
 computes attention and aggregation exactly as one process does. Backward sends the received rows'
 gradients back to their owners, which add them into their own.
 
-Relational layers (RGCN) gather the same way: the received rows serve every relation, so a layer
-exchanges its input rows once, not once per relation, and the rank runs the one-process
-relational aggregation over its rows' typed in-edges (:meth:`SourceGather.typed_in_edges`).
+Relational layers (RGCN) placed to gather do the same: the received rows serve every relation, so
+a layer exchanges its input rows once, not once per relation, and the rank runs the one-process
+relational aggregation over its rows' typed in-edges (:meth:`SourceGather.typed_in_edges`). The
+other placement, transform first, is :mod:`tessera.parallel.halo_relational`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tessera.graph.csr import CSRMatrix, rows_of
 from tessera.graph.partition.halo import RankPlan
 from tessera.sparse import Operand
 from tessera.sparse.relation_plan import Relations
+
+UNTYPED = "this graph has no edge types: relational layers (RGCN) need a typed graph"
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class SourceGather:
         if self._typed_matrix is None:
             edges = self._typed() if self._typed is not None else None
             if edges is None:
-                raise ConfigError("this graph has no edge types: relational layers (RGCN) need a typed graph")
+                raise ConfigError(UNTYPED)
             self._typed_matrix = _typed_local(self.plan, edges)
         return self._typed_matrix
 

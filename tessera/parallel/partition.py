@@ -28,8 +28,10 @@ from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix, rows_of
 from tessera.graph.partition.halo import RankPlan, build_rank_plan, plan_from_part, row_edges
+from tessera.graph.partition.relation_halo import PairPlan, build_pair_plan, pair_plan_from_part
 from tessera.parallel.base import SPLITS, ExchangeOperand, Shard, Strategy, row_split
-from tessera.parallel.halo_attention import AttentionOperand, SourceGather, TypedInEdges
+from tessera.parallel.halo_attention import UNTYPED, AttentionOperand, SourceGather, TypedInEdges
+from tessera.parallel.halo_relational import PairExchange, PairOperand, exchange_bytes, transform_first_wins
 from tessera.sparse import LayerSpec, Operand
 
 
@@ -203,7 +205,13 @@ class PartitionStrategy(Strategy):
                 int(graph.num_relations),
             )
 
-        self._start(plan, in_weight, plan_for, typed)
+        def pairs() -> PairPlan | None:
+            if graph.edge_type is None:
+                return None
+            t, r = graph.edge_type.numpy(), int(graph.num_relations)
+            return build_pair_plan(graph.indptr.numpy(), graph.indices.numpy(), t, r, part, comm.rank, comm.world)
+
+        self._start(plan, in_weight, plan_for, typed, pairs)
         return owned
 
     def shard_from_part(self, data: dict[str, Any]) -> Shard:
@@ -220,7 +228,10 @@ class PartitionStrategy(Strategy):
                 return None
             return TypedInEdges(indptr, data["src"], data["etype"], int(meta.get("num_relations")))
 
-        self._start(plan, in_weight, lambda mode: plan_from_part(data, mode), typed)
+        def pairs() -> PairPlan | None:
+            return pair_plan_from_part(data, int(meta.get("num_relations"))) if "etype" in data else None
+
+        self._start(plan, in_weight, lambda mode: plan_from_part(data, mode), typed, pairs)
         missing = [k for k in ("x", "y", *(f"{s}_mask" for s in SPLITS)) if k not in data]
         if missing:
             raise ConfigError(
@@ -244,11 +255,13 @@ class PartitionStrategy(Strategy):
         in_weight: np.ndarray,
         plan_for: Callable[[str], RankPlan],
         typed: Callable[[], TypedInEdges | None],
+        pairs: Callable[[], PairPlan | None],
     ) -> None:
         self.log = CommLog(self.comm.job_rank, self.comm.job_size)
         self.halo = HaloPlan(plan, in_weight, self._exchange(plan), self.options.backend)
-        self._plan, self._plan_for, self._typed = plan, plan_for, typed
+        self._plan, self._plan_for, self._typed, self._pairs_for = plan, plan_for, typed, pairs
         self._gather: SourceGather | None = None
+        self._pairs: PairExchange | None = None
 
     def _source_gather(self) -> SourceGather:
         """Attention and relational layers' post-mode exchange of remote source rows, made on first use."""
@@ -257,12 +270,35 @@ class PartitionStrategy(Strategy):
             self._gather = SourceGather(post, self._exchange(post), self._typed)
         return self._gather
 
-    def _exchange(self, plan: RankPlan) -> Exchange:
+    def _pair_exchange(self) -> PairExchange:
+        """Relational layers' transform-first exchange of (relation, source) pair rows, made on first use."""
+        if self._pairs is None:
+            plan = self._pairs_for()
+            if plan is None:
+                raise ConfigError(UNTYPED)
+            self._pairs = PairExchange(plan, self._exchange(plan), self.options.backend)
+        return self._pairs
+
+    def _exchange(self, plan: RankPlan | PairPlan) -> Exchange:
         exchange = Exchange(self.comm, plan.send_counts, plan.recv_counts)
         exchange.configure(self.options.comm_bits, self.log)
         return exchange
 
+    def _transform_first(self, spec: LayerSpec) -> bool:
+        """A relational layer's placement: fixed by ``spec``, or the one whose forward exchange
+        moves fewer bytes over all ranks at ``--comm-bits`` (:func:`transform_first_wins`)."""
+        if not spec.choose_placement:
+            return not spec.aggregates_first
+        bits = self.options.comm_bits
+        gather, pairs = self._source_gather().plan.send_counts, self._pair_exchange().plan.send_counts
+        mine = [exchange_bytes(gather, spec.in_width, bits), exchange_bytes(pairs, spec.out_width, bits)]
+        total = self.comm.all_reduce_sum(torch.tensor(mine, dtype=torch.int64))
+        return transform_first_wins(int(total[0]), int(total[1]))
+
     def operand(self, spec: LayerSpec, layer: int) -> Operand:
+        backend = self.options.backend
+        if spec.relations and self._transform_first(spec):
+            return PairOperand(self._pair_exchange(), layer, backend)
         if spec.edge_values:
-            return AttentionOperand(self._source_gather(), layer, self.options.backend)
+            return AttentionOperand(self._source_gather(), layer, backend)
         return HaloOperand(self.halo, layer, self.halo.variant("pattern"))

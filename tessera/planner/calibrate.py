@@ -1,8 +1,12 @@
 """The machine constants the planner's cost model runs on, measured where the job runs.
 
 Every rank measures at once, as they compute during training (sharing the cores), and each
-constant is the slowest rank's: the aggregation cost per edge and per edge-value (two widths
-on this rank's share of the graph's rows), the dense transform's FLOP rate, and the latency and
+constant is the slowest rank's: the aggregation cost per edge and per edge-value (forward and
+transposed products at two widths on this rank's share of the graph's rows, by default the
+narrowest and widest the model aggregates at), the dense transform's FLOP rate, the cost of
+writing one value of a freshly allocated tensor (under glibc's allocator a large block comes
+back from the OS on every allocation, so its first write page-faults: measured 1.3-1.5 ns per
+float32 value against 0.16-0.23 ns in place, at 85k x 40..256, one thread), and the latency and
 bandwidth of an ``all_to_all`` among the ranks (SuperGCN Eq. 2's ``L`` and ``BW``).
 """
 
@@ -11,29 +15,32 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from tessera.backends import local_operand
+from tessera.backends import local_operand, select
 from tessera.comm.group import Comm
 from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix
 from tessera.planner.model import DEFAULT_QUANT_GBPS, CommModel
 
 _WIDTHS = (8, 64)
-_REPS = 1
+_REPS = 3
 
 
 @dataclass(frozen=True)
 class Rates:
-    """Seconds per aggregated edge and per edge-value, dense FLOP/s, and the link model."""
+    """Seconds per aggregated edge and per edge-value, dense FLOP/s, the link model, and seconds
+    per value written into a fresh tensor."""
 
     edge_s: float
     value_s: float
     gemm_flops: float
     bandwidth_gbps: float
     latency_us: float
+    fresh_value_s: float = 0.0
 
     def comm(self) -> CommModel:
         """SuperGCN's model with this link."""
@@ -73,25 +80,49 @@ def _rows_block(graph: Graph, world: int, rank: int) -> CSRMatrix:
     return CSRMatrix.from_numpy(sub, graph.indices.numpy()[indptr[lo] : indptr[hi]], None, hi - lo, n)
 
 
+def _modelled_backend(block: CSRMatrix, x: torch.Tensor, backend: str, transposed: bool) -> str:
+    """``backend``, or for ``auto`` the selection model's favourite for this product: the block is
+    a stand-in for the runtime's matrices, so a measured backend trial on it would be time spent
+    on a decision nothing reuses."""
+    if backend != "auto":
+        return backend
+    names = select.candidates(x)
+    return select.trial_candidates(block, int(x.shape[1]), False, transposed, names)[0]
+
+
 def measure_compute(
-    graph: Graph, rank: int, world: int, backend: str = "auto", comm: Comm | None = None
-) -> tuple[float, float, float]:
-    """``(edge_s, value_s, gemm_flops)`` from products on rank ``rank``'s share of ``graph`` (the
-    slowest rank's, all ranks of ``comm`` measuring at once)."""
+    graph: Graph,
+    rank: int,
+    world: int,
+    backend: str = "auto",
+    comm: Comm | None = None,
+    widths: tuple[int, int] = _WIDTHS,
+) -> tuple[float, float, float, float]:
+    """``(edge_s, value_s, gemm_flops, fresh_value_s)`` from products on rank ``rank``'s share of
+    ``graph`` (the slowest rank's, all ranks of ``comm`` measuring at once): the aggregation's
+    rates from the mean of a forward and a transposed product at the two ``widths``."""
     gen = torch.Generator().manual_seed(rank)
     block = _rows_block(graph, world, rank)
-    op = local_operand(block, backend)
     edges = max(block.num_edges, 1)
+    lo, hi = min(widths), max(widths)
+    hi = hi if hi > lo else lo + 8
     t = {}
-    for w in _WIDTHS:
-        x = torch.rand(graph.num_nodes, w, generator=gen)
-        t[w] = _best(lambda x=x: op.spmm(x), comm) / edges
-    value_s = max((t[_WIDTHS[1]] - t[_WIDTHS[0]]) / (_WIDTHS[1] - _WIDTHS[0]), 1e-13)
-    edge_s = max(t[_WIDTHS[0]] - value_s * _WIDTHS[0], 0.0)
+    for w in (lo, hi):
+        # constant inputs: a product's time does not depend on the values, and drawing N x 256
+        # random floats on every rank would cost more than the products timed
+        x = torch.full((graph.num_nodes, w), 0.5)
+        g = torch.full((block.num_rows, w), 0.5)
+        fwd = local_operand(block, _modelled_backend(block, x, backend, False))
+        bwd = local_operand(block, _modelled_backend(block, g, backend, True))
+        t[w] = (_best(partial(fwd.spmm, x), comm) + _best(partial(bwd.spmm_t, g), comm)) / (2 * edges)
+    value_s = max((t[hi] - t[lo]) / (hi - lo), 1e-13)
+    edge_s = max(t[lo] - value_s * lo, 0.0)
     rows = max(block.num_rows, 256)
     a, b = torch.rand(rows, 128, generator=gen), torch.rand(128, 128, generator=gen)
     gemm = 2.0 * rows * 128 * 128 / _best(lambda: a @ b, comm)
-    return edge_s, value_s, gemm
+    wide = torch.full((rows, hi), 0.5)  # the size the widest layer allocates per row tensor
+    fresh = _best(lambda: wide * 2.0, comm) / wide.numel()
+    return edge_s, value_s, gemm, fresh
 
 
 def measure_link(comm: Comm, values: int = 1 << 20) -> tuple[float, float]:
@@ -114,16 +145,19 @@ def measure_link(comm: Comm, values: int = 1 << 20) -> tuple[float, float]:
     return bandwidth / 1e9, latency * 1e6
 
 
-def calibrate(graph: Graph, comm: Comm, backend: str = "auto") -> Rates:
-    """Every constant of :class:`Rates`, measured on all ranks of ``comm`` (a collective)."""
-    edge_s, value_s, gemm = measure_compute(graph, comm.rank, comm.world, backend, comm)
+def calibrate(graph: Graph, comm: Comm, backend: str = "auto", widths: tuple[int, int] = _WIDTHS) -> Rates:
+    """Every constant of :class:`Rates`, measured on all ranks of ``comm`` (a collective), the
+    aggregation's at ``widths``."""
+    edge_s, value_s, gemm, fresh = measure_compute(graph, comm.rank, comm.world, backend, comm, widths)
     bw, lat = measure_link(comm)
-    return Rates(edge_s, value_s, gemm, bw, lat)
+    return Rates(edge_s, value_s, gemm, bw, lat, fresh)
 
 
-def local_rates(graph: Graph, world: int, link: CommModel, backend: str = "auto") -> Rates:
+def local_rates(
+    graph: Graph, world: int, link: CommModel, backend: str = "auto", widths: tuple[int, int] = _WIDTHS
+) -> Rates:
     """:class:`Rates` without other processes (``tessera plan --model-only``, the simulator): the
     compute constants timed here on rank 0's share of ``graph`` for ``world`` ranks, the link's
     from ``link``."""
-    edge_s, value_s, gemm = measure_compute(graph, 0, world, backend)
-    return Rates(edge_s, value_s, gemm, link.bandwidth_gbps, link.latency_us)
+    edge_s, value_s, gemm, fresh = measure_compute(graph, 0, world, backend, widths=widths)
+    return Rates(edge_s, value_s, gemm, link.bandwidth_gbps, link.latency_us, fresh)

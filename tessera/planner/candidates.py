@@ -9,7 +9,13 @@ for one training step of the layer, on the slowest rank, is
                 at the measured FLOP rate;
     aggregate   edges x (per-edge + per-value x width) at the measured rates, per pass (forward,
                 and backward where the layer exchanges gradients);
-    comm        SuperGCN Eq. 2/6 over the exact blocks the runtime sends (planner/model.py).
+    comm        SuperGCN Eq. 2/6 over the exact blocks the runtime sends (planner/model.py);
+    memory      values written into fresh row tensors, at the measured first-write rate: about
+                four ``rows x width`` tensors per aggregation pass (the scaled input, the local
+                product, the received rows' product and their sum), the transform's output and,
+                when needed, its input gradient. The term is what tells the placements apart
+                beyond FLOPs: a fresh tensor's first write costs 6-9x an in-place one under
+                glibc's allocator (calibrate.py).
 
 A kind (:class:`CandidateKind`) lists its choices for a layer and models the last two terms;
 ``register_kind`` adds one. ``hybrid(M)`` (M column groups of G = P / M ranks, M dividing P with
@@ -191,6 +197,15 @@ def dense_s(ctx: Context, spec: LayerSpec, input_grad: bool) -> float:
     return flops / ctx.rates.gemm_flops
 
 
+FRESH_PER_PASS = 4  # rows x width tensors an aggregation pass allocates (see the module docstring)
+
+
+def memory_s(ctx: Context, spec: LayerSpec, backward: bool, input_grad: bool) -> float:
+    """The busiest rank's writes into freshly allocated row tensors in one step of the layer."""
+    per_row = FRESH_PER_PASS * spec.aggregate_width * (1 + backward) + spec.out_width + spec.in_width * input_grad
+    return ctx.counts.max() * per_row * ctx.rates.fresh_value_s
+
+
 def layer_candidates(
     ctx: Context, specs: dict[bool, LayerSpec], natural: bool, input_grad: bool
 ) -> list[dict[str, Any]]:
@@ -204,7 +219,11 @@ def layer_candidates(
             for choice in kind.choices(ctx, spec):
                 if first != natural:
                     choice = LayerChoice(choice.strategy, choice.overrides, first)
-                terms = {"dense_s": dense_s(ctx, spec, input_grad), **kind.cost(ctx, choice, spec, backward)}
+                terms = {
+                    "dense_s": dense_s(ctx, spec, input_grad),
+                    **kind.cost(ctx, choice, spec, backward),
+                    "memory_s": memory_s(ctx, spec, backward, input_grad),
+                }
                 out.append(
                     {
                         "choice": choice,

@@ -151,9 +151,9 @@ def eq7_ratios(pair_rows: float, width: int, bits: int, m: CommModel) -> dict[st
 
 def _exchanges(vol: dict[str, Any], mode: str, bits: int, m: CommModel) -> list[dict[str, Any]]:
     """Eq. 6 per layer: forward and (where there is one) backward."""
-    rows, owned = vol["_rows"][mode], vol["_owned"]
+    owned = vol["_owned"]
     out = []
-    for layer, (width, back) in enumerate(zip(vol["widths"], vol["backward"])):
+    for layer, (width, back, rows, _) in enumerate(vol["_exchanges"][mode][bits]):
         if not width:  # aggregated once: nothing per steady epoch
             out.append({"layer": layer, "forward": None, "backward": None})
             continue

@@ -6,7 +6,8 @@ of each layer's modelled best (of each family, the strategy with its options but
 ``--remote-agg`` mode, only the modelled best, and at most ``MAX_MEASURED`` of them), and
 broadcasts them. A layer with one survivor takes it unmeasured; otherwise all ranks shard each
 survivor's strategy (one row split for all) and run one untimed and ``STEPS`` timed forward +
-backward steps of that layer alone under it, in the same order; rank 0 picks each
+backward steps of that layer alone under it, in the same order, each product on its backend cost
+model's favourite (``select.modelled_only``: no backend trials for candidates that may be dropped); rank 0 picks each
 layer's fastest (the slowest rank's least step) and broadcasts the plan, so every rank trains
 the same one. The record's ``timing_s`` splits the planning time into calibration, modelling,
 sharding and steps. The plan is cached as JSON by graph
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.backends import select
 from tessera.comm.group import Comm
 from tessera.files import atomic_write, default_cache_dir
 from tessera.graph import Graph
@@ -37,10 +39,10 @@ from tessera.planner.calibrate import Rates, calibrate
 from tessera.planner.candidates import Context, layer_candidates, prune
 from tessera.sparse import LayerSpec, Operand
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 PRUNE_FACTOR = 1.5
 STEPS = 1  # timed steps per measured candidate, after an untimed one
-MAX_MEASURED = 3  # candidates measured per layer (every one with --measure-all)
+MAX_MEASURED = 2  # candidates measured per layer (every one with --measure-all)
 
 
 @dataclass
@@ -54,6 +56,13 @@ class LayerProbe:
     forward: Callable[[int, bool | None, Operand, torch.Tensor], torch.Tensor]
     input_grad: bool  # whether layer 0's input needs a gradient (LayerNorm or label embedding before it)
     description: dict[str, Any]  # model name and widths, part of the cache key
+
+
+def aggregate_widths(probe: LayerProbe) -> tuple[int, int]:
+    """The narrowest and widest width any layer aggregates at, in any placement (the widths the
+    aggregation rates are calibrated at)."""
+    widths = [probe.spec(i, p).aggregate_width for i, places in enumerate(probe.placements) for p in places]
+    return min(widths), max(widths)
 
 
 def broadcast_json(comm: Comm, obj: Any) -> Any:
@@ -218,7 +227,7 @@ def plan_layers(
         cached["planning_s"] = time.perf_counter() - t0
         return cached, pool
     if rates is None:
-        rates = calibrate(graph, comm, options.backend)
+        rates = calibrate(graph, comm, options.backend, aggregate_widths(probe))
     t_cal = time.perf_counter()
     part = row_split(graph, comm, options)
     layers: list[dict[str, Any]] = []
@@ -237,7 +246,8 @@ def plan_layers(
                     t1 = time.perf_counter()
                     pool.shard(choice, graph)
                     t2 = time.perf_counter()
-                    c["measured_ms"] = 1e3 * measure_candidate(comm, pool, graph, probe, i, choice)
+                    with select.modelled_only():
+                        c["measured_ms"] = 1e3 * measure_candidate(comm, pool, graph, probe, i, choice)
                     timing["shard"] += t2 - t1
                     timing["steps"] += time.perf_counter() - t2
         timed = [c for c in layers[i]["candidates"] if c["measured_ms"] is not None]

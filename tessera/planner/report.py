@@ -250,10 +250,11 @@ def format_plan(rec: dict[str, Any], title: str = "") -> str:
         f"plan for {rec.get('world', '?')} ranks{': ' + title if title else ''} ({rec.get('source', '?')}, "
         f"{rec.get('planning_s', 0.0):.2f} s)",
         f"constants: aggregation {r['edge_s'] * 1e9:.2f} ns/edge + {r['value_s'] * 1e9:.3f} ns/value, "
-        f"GEMM {r['gemm_flops'] / 1e9:.1f} GFLOP/s, link {r['bandwidth_gbps']:.2f} GB/s, latency {r['latency_us']:.1f} us",
+        f"GEMM {r['gemm_flops'] / 1e9:.1f} GFLOP/s, fresh writes {r.get('fresh_value_s', 0.0) * 1e9:.2f} ns/value, "
+        f"link {r['bandwidth_gbps']:.2f} GB/s, latency {r['latency_us']:.1f} us",
     ]
     head = (
-        f"{'layer':>5}  {'candidate':<40} {'width':>5} {'bwd':>3} {'dense':>8} {'aggr':>8} {'comm':>8} "
+        f"{'layer':>5}  {'candidate':<40} {'width':>5} {'bwd':>3} {'dense':>8} {'aggr':>8} {'comm':>8} {'memory':>8} "
         f"{'model ms':>9} {'measured':>9} {'meas/mod':>8}"
     )
     lines += [head, "-" * len(head)]
@@ -264,7 +265,7 @@ def format_plan(rec: dict[str, Any], title: str = "") -> str:
             ratio = c["measured_ms"] / c["modelled_ms"] if c["measured_ms"] and c["modelled_ms"] else None
             lines.append(
                 f"{la['layer']:>5} {mark}{c['label']:<40} {c['width']:>5} {'y' if c['backward'] else 'n':>3} "
-                f"{m['dense']:>8.2f} {m['aggregate']:>8.2f} {m['comm']:>8.2f} {c['modelled_ms']:>9.2f} "
+                f"{m['dense']:>8.2f} {m['aggregate']:>8.2f} {m['comm']:>8.2f} {m.get('memory', 0.0):>8.2f} {c['modelled_ms']:>9.2f} "
                 f"{_ms(c['measured_ms']):>9} {_fmt_x(ratio):>8}"
             )
     lines.append("* the choice; - pruned by the model (not measured); times per training step of the layer")

@@ -11,14 +11,19 @@ before the linear map, no LayerNorm, no label embedding). Evaluation forwards ex
 volumes again; they are reported apart (``eval_forward_bytes``), as the runtime's log counts
 training passes only. An attention layer (GAT) gathers its remote sources' rows in post mode
 whatever the mode, each row its features and its ``edge_terms`` attention terms; so do SAGE-LSTM
-(its input rows, for the neighbour sequences) and RGCN (its input rows, once per layer for all
-relations: ``LayerSpec.edge_values`` marks all three).
+(its input rows, for the neighbour sequences) and RGCN placed to gather (its input rows, once per
+layer for all relations: ``LayerSpec.edge_values`` marks all three). RGCN placed transform first
+sends instead one ``out``-wide row per distinct remote (relation, source) pair
+(:func:`~tessera.graph.partition.relation_halo.relation_pair_rows`), forward and, for its weights'
+gradients, always backward; with no placement fixed each layer takes the placement whose forward
+exchange moves fewer bytes at each bit width, as the runtime does at its ``--comm-bits``
+(:func:`~tessera.parallel.halo_relational.transform_first_wins`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,9 +32,23 @@ from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.partition import partition
 from tessera.graph.partition.halo import MODES, pair_rows
+from tessera.graph.partition.relation_halo import relation_pair_rows
+from tessera.parallel.halo_relational import exchange_bytes, transform_first_wins
 from tessera.sparse import LayerSpec
 
 DIRECTIONS = ("forward", "backward")
+PLACEMENTS = ("gather", "transform-first")  # a relational layer's exchange
+
+
+class LayerExchange(NamedTuple):
+    """One layer's exchange at one bit width: its row width (0: none in a steady epoch), whether
+    it has a backward exchange, the rows each rank sends each rank forward (sender x receiver;
+    backward sends the transpose), and a relational layer's placement (None for other layers)."""
+
+    width: int
+    backward: bool
+    rows: np.ndarray
+    placement: str | None = None
 
 
 # ---------------------------------------------------------------------------------------- layers
@@ -79,6 +98,55 @@ def _exchange_modes(specs: list[LayerSpec], modes: tuple[str, ...]) -> tuple[str
     return ("post",) * len(modes) if True in attention else modes
 
 
+def layer_exchanges(
+    plan: list[tuple[int, bool]],
+    rows: np.ndarray,
+    bits: int,
+    specs: list[LayerSpec] | None = None,
+    pairs: np.ndarray | None = None,
+) -> list[LayerExchange]:
+    """Each layer's exchange at ``bits``: the ``plan``'s width and backward over ``rows`` (the
+    mode's halo rows), except relational layers (``specs``) placed transform first, which send
+    ``pairs`` (the (relation, source) pair rows) ``out`` wide with a backward exchange. A layer
+    with ``choose_placement`` transforms first where that moves fewer forward bytes."""
+    out = []
+    for i, (width, back) in enumerate(plan):
+        s = specs[i] if specs is not None else None
+        if s is None or not s.relations:
+            out.append(LayerExchange(width, back, rows))
+            continue
+        first = not s.aggregates_first
+        if s.choose_placement:
+            gather, paired = exchange_bytes(rows, s.in_width, bits), exchange_bytes(pairs, s.out_width, bits)
+            first = transform_first_wins(gather, paired)
+        out.append(
+            LayerExchange(s.out_width, True, pairs, PLACEMENTS[1])
+            if first
+            else LayerExchange(width, back, rows, PLACEMENTS[0])
+        )
+    return out
+
+
+def placement_report(
+    specs: list[LayerSpec], layers: list[LayerExchange], rows: np.ndarray, pairs: np.ndarray, bits: int
+) -> list[dict[str, Any]]:
+    """Per relational layer: the forward bytes over all ranks of both placements at ``bits``, the
+    one taken, and whether the layer fixed it."""
+    out = []
+    for i, (s, la) in enumerate(zip(specs, layers)):
+        if s.relations:
+            out.append(
+                {
+                    "layer": i,
+                    "gather_bytes": exchange_bytes(rows, s.in_width, bits),
+                    "transform_first_bytes": exchange_bytes(pairs, s.out_width, bits),
+                    "placement": la.placement,
+                    "fixed": not s.choose_placement,
+                }
+            )
+    return out
+
+
 # ---------------------------------------------------------------------------------------- bytes
 def pair_bytes(rows: np.ndarray, width: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """(data, parameter) bytes per ordered pair of one exchange whose sender x receiver row matrix
@@ -102,21 +170,22 @@ def _direction(rows: np.ndarray, width: int, bits: int) -> dict[str, Any]:
     }
 
 
-def _bits_summary(rows: np.ndarray, plan: list[tuple[int, bool]], bits: int, eval_first: bool = True) -> dict[str, Any]:
+def _bits_summary(exchanges: list[LayerExchange], bits: int, eval_first: bool = True) -> dict[str, Any]:
     """Per layer and direction, and per epoch, bytes of one mode at ``bits`` (a layer of width 0
     exchanges nothing); ``eval_first``: whether evaluation forwards exchange layer 0's rows."""
-    per_rank = np.zeros(rows.shape[0], dtype=np.int64)
+    per_rank = np.zeros(exchanges[0].rows.shape[0] if exchanges else 0, dtype=np.int64)
     layers, eval_fwd = [], 0
-    for i, (width, back) in enumerate(plan):
+    for i, (width, back, rows, placement) in enumerate(exchanges):
+        where = {} if placement is None else {"placement": placement}
         if not width:
-            layers.append({"layer": i, "width": 0, "forward": None, "backward": None})
+            layers.append({"layer": i, "width": 0, "forward": None, "backward": None, **where})
             continue
         pair = sum(pair_bytes(rows, width, bits))  # bytes p sends q forward; q sends p backward
         fwd = _direction(rows, width, bits)
         bwd = _direction(rows.T, width, bits) if back else None
         per_rank += pair.sum(axis=1) + (pair.sum(axis=0) if back else 0)
         eval_fwd += fwd["bytes"] if i > 0 or eval_first else 0
-        layers.append({"layer": i, "width": width, "forward": fwd, "backward": bwd})
+        layers.append({"layer": i, "width": width, "forward": fwd, "backward": bwd, **where})
     exchanges = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
     epoch = {k: sum(d[k] for d in exchanges) for k in ("rows", "data_bytes", "param_bytes", "bytes")}
     epoch["max_rank_bytes"] = int(per_rank.max()) if per_rank.size else 0
@@ -128,10 +197,23 @@ def _bits_summary(rows: np.ndarray, plan: list[tuple[int, bool]], bits: int, eva
 def summarize(
     rows: dict[str, np.ndarray], plan: list[tuple[int, bool]], bits=(32, 2), eval_first: bool = True
 ) -> dict[str, dict[str, Any]]:
-    """Per mode: rows per exchange (total, busiest sender, active pairs) and bytes per bit width."""
+    """Per mode: rows per exchange (total, busiest sender, active pairs) and bytes per bit width,
+    every layer exchanging the mode's rows as ``plan`` says."""
+    exchanges = {m: {b: layer_exchanges(plan, r, b) for b in _check_bits(bits)} for m, r in rows.items()}
+    return _summarize(rows, exchanges, eval_first)
+
+
+def _check_bits(bits) -> tuple[int, ...]:
     for b in bits:
         if b not in COMM_BITS:
             raise ConfigError(f"comm bits must be among {', '.join(map(str, COMM_BITS))}, got {b}")
+    return tuple(bits)
+
+
+def _summarize(
+    rows: dict[str, np.ndarray], exchanges: dict[str, dict[int, list[LayerExchange]]], eval_first: bool
+) -> dict[str, dict[str, Any]]:
+    """:func:`summarize` of each mode's exchanges per bit width."""
     out = {}
     for mode, r in rows.items():
         sent = r.sum(axis=1)
@@ -139,7 +221,7 @@ def summarize(
             "rows_total": int(r.sum()),
             "rows_max_rank": int(sent.max()) if sent.size else 0,
             "active_pairs": int(np.count_nonzero(r)),
-            "bits": {b: _bits_summary(r, plan, b, eval_first) for b in bits},
+            "bits": {b: _bits_summary(ex, b, eval_first) for b, ex in exchanges[mode].items()},
         }
     return out
 
@@ -160,19 +242,34 @@ def simulate_volumes(
     """Bytes per layer, direction, mode and bit width for ``parts`` ranks, without starting any,
     for the layers ``specs`` describe (``model`` names them in the report): totals, data vs
     parameter bytes and the busiest sender, per steady training epoch (with ``dropout`` 0, layer
-    0's constant input is aggregated in the first epoch only). Keys starting with ``_`` hold the
-    row matrices (for :func:`pair_detail` and :func:`runtime_bytes`), rows per rank and the row
-    split, and are not JSON."""
+    0's constant input is aggregated in the first epoch only). ``widths`` and ``backward`` are the
+    layers' at the first of ``bits``; relational layers may take another placement, and so width,
+    at another bit width (each bit width's layers give their own, and ``placements`` both
+    placements' forward bytes per relational layer). Keys starting with ``_`` hold the row
+    matrices (``_exchanges``: per mode and bit width, each layer's :class:`LayerExchange`; for
+    :func:`pair_detail` and :func:`runtime_bytes`), rows per rank and the row split, and are not
+    JSON."""
     plan = exchange_layers(specs, norm, label_prop, dropout)
+    bits = _check_bits(bits)
     t0 = time.perf_counter()
     part = partition(graph, parts, method, seed)
     t1 = time.perf_counter()
     follow = _exchange_modes(specs, tuple(modes))
-    plans = pair_rows(graph.indptr.numpy(), graph.indices.numpy(), part, int(parts), tuple(dict.fromkeys(follow)))
+    indptr, indices = graph.indptr.numpy(), graph.indices.numpy()
+    plans = pair_rows(indptr, indices, part, int(parts), tuple(dict.fromkeys(follow)))
     rows = {m: plans[f] for m, f in zip(modes, follow)}
+    pairs = None
+    if any(s.relations for s in specs):
+        graph.require("edge_type")
+        pairs = relation_pair_rows(indptr, indices, graph.edge_type.numpy(), part, int(parts))
+    exchanges = {m: {b: layer_exchanges(plan, r, b, specs, pairs) for b in bits} for m, r in rows.items()}
     t2 = time.perf_counter()
-    summary = summarize(rows, plan, tuple(bits), not first_input_constant(specs, norm, label_prop))
+    summary = _summarize(rows, exchanges, not first_input_constant(specs, norm, label_prop))
     t3 = time.perf_counter()
+    first = exchanges[modes[0]][bits[0]]
+    placements = {}
+    if pairs is not None:  # every mode gathers the post rows: the first mode's exchanges are all modes'
+        placements = {b: placement_report(specs, exchanges[modes[0]][b], rows[modes[0]], pairs, b) for b in bits}
     owned = np.bincount(part, minlength=int(parts)).astype(np.int64)
     dst_part = np.repeat(part, np.diff(graph.indptr.numpy()))
     edges = np.bincount(dst_part, minlength=int(parts))
@@ -190,49 +287,59 @@ def simulate_volumes(
         "label_prop": label_prop,
         "method": method,
         "seed": seed,
-        "widths": [w for w, _ in plan],
-        "backward": [b for _, b in plan],
+        "widths": [la.width for la in first],
+        "backward": [la.backward for la in first],
+        "placements": placements,
         "layer_inputs": [s.in_width for s in specs],
         "cut_edges": int(np.count_nonzero(part[graph.indices.numpy()] != dst_part)),
         "owned_max": int(owned.max()),
         # MixGCN Figs. 9 and 11 for partition parallelism: a rank's rows plus the rows it receives
         # at each exchange width (the largest over layers), and its aggregation work (edges into its
         # rows) over the mean
-        "feature_bytes_max": {
-            mode: max(int((4 * s.aggregate_width * (owned + r.sum(axis=0))).max()) for s in specs)
-            for mode, r in rows.items()
-        },
+        "feature_bytes_max": {mode: _feature_bytes(specs, exchanges[mode][bits[0]], owned) for mode in rows},
         "flops_max_over_mean": float(edges.max() / edges.mean()) if edges.mean() > 0 else 1.0,
         "modes": summary,
         "timing_s": {"partition": t1 - t0, "rows": t2 - t1, "bytes": t3 - t2},
         "dropout": dropout,
         "_rows": rows,
+        "_exchanges": exchanges,
         "_owned": owned,
         "_part": part,
     }
 
 
+def _feature_bytes(specs: list[LayerSpec], layers: list[LayerExchange], owned: np.ndarray) -> int:
+    """The largest float32 bytes a rank holds of one layer's aggregated rows: its own rows plus
+    those it receives, at the layer's aggregated width (a layer aggregated once holds them in the
+    first epoch; a relational layer placed transform first receives pair rows at ``out``)."""
+    out = 0
+    for s, la in zip(specs, layers):
+        width = s.out_width if la.placement == PLACEMENTS[1] else s.aggregate_width
+        out = max(out, int((4 * width * (owned + la.rows.sum(axis=0))).max()))
+    return out
+
+
 # ---------------------------------------------------------------------------------------- per pair
-def _layer_rows(vol: dict[str, Any], mode: str, layer: int, direction: str) -> np.ndarray | None:
+def _layer_rows(vol: dict[str, Any], mode: str, bits: int, layer: int, direction: str) -> np.ndarray | None:
     """Sender x receiver rows of one exchange (None where the layer has no backward exchange)."""
     if direction not in DIRECTIONS:
         raise ConfigError(f"direction must be forward or backward, got {direction!r}")
-    rows = vol["_rows"][mode]
-    if not vol["widths"][layer]:
+    la = vol["_exchanges"][mode][bits][layer]
+    if not la.width:
         return None
     if direction == "forward":
-        return rows
-    return rows.T if vol["backward"][layer] else None
+        return la.rows
+    return la.rows.T if la.backward else None
 
 
 def pair_detail(
     vol: dict[str, Any], mode: str, bits: int, layer: int, direction: str = "forward"
 ) -> dict[tuple[int, int], tuple[int, int, int]]:
     """``(rows, data bytes, parameter bytes)`` per ordered pair ``(src, dst)`` with traffic."""
-    rows = _layer_rows(vol, mode, layer, direction)
+    rows = _layer_rows(vol, mode, bits, layer, direction)
     if rows is None:
         return {}
-    data, params = pair_bytes(rows, vol["widths"][layer], bits)
+    data, params = pair_bytes(rows, vol["_exchanges"][mode][bits][layer].width, bits)
     src, dst = np.nonzero(rows)
     return {(int(p), int(q)): (int(rows[p, q]), int(data[p, q]), int(params[p, q])) for p, q in zip(src, dst)}
 
@@ -241,10 +348,10 @@ def runtime_bytes(vol: dict[str, Any], mode: str, bits: int) -> dict[str, list]:
     """The runtime log's layout (``CommLog.gather``): ``bytes_data[layer][direction][src][dst]`` and
     ``bytes_params``, direction 0 forward, 1 backward. Quadratic in P: for checks on small P."""
     out: dict[str, list] = {"bytes_data": [], "bytes_params": []}
-    for layer, width in enumerate(vol["widths"]):
-        per_dir = [_layer_rows(vol, mode, layer, d) for d in DIRECTIONS]
+    for layer, la in enumerate(vol["_exchanges"][mode][bits]):
+        per_dir = [_layer_rows(vol, mode, bits, layer, d) for d in DIRECTIONS]
         zero = np.zeros_like(vol["_rows"][mode])
-        mats = [pair_bytes(zero if r is None else r, width, bits) for r in per_dir]
+        mats = [pair_bytes(zero if r is None else r, la.width, bits) for r in per_dir]
         out["bytes_data"].append([m[0].tolist() for m in mats])
         out["bytes_params"].append([m[1].tolist() for m in mats])
     return out

@@ -8,10 +8,15 @@ one relation (the whole gTask under ``uniq(Edge.Type)=1``); its *rows* are its u
 reads its row). Units are laid out in blocks, and each block is one dense product: ``B`` units
 padded to the block's largest (``S`` rows) form ``(B, S, F_in)``, multiplied by their relations'
 weights in one ``torch.bmm`` (one GEMM with a shared ``W[r]`` when the block has one relation).
-The gather of the rows and the scatter of the edges into their destinations are two CSR products
-(:func:`~tessera.sparse.aggregate.aggregate` over a selection matrix and over the edge-to-row
-matrix), so padded rows are exact zeros that nothing reads (the mask) and the backward is the
-transposed CSR products plus the GEMMs' own gradients: every step is a differentiable torch op.
+The gather of the rows is one ``index_select`` of the sources' inputs (padded rows set to exact
+zeros, which nothing reads: the mask), and the scatter of the edges into their destinations is a
+CSR product (:func:`~tessera.sparse.aggregate.aggregate` over the edge-to-row matrix); the products
+of a run of adjacent batches of one relation share ``W[r]``, so they run as one GEMM over their
+stacked rows (:func:`~tessera.sparse.block_matmul.fuse`), written into one buffer
+(:func:`~tessera.sparse.block_matmul.block_matmul`). The backward is the transposed CSR product,
+the GEMMs' own gradients and an ``index_add``: every step is a differentiable torch op, and the
+number of torch calls is the number of products, not of gTasks (thousands of small calls, each a
+parallel region of both threads, cost far more than their FLOPs on a busy machine).
 
 Outliers, in the paper's words (§6.1), and what is done with them (§6.2, CPU analogue):
 
@@ -64,6 +69,7 @@ import torch
 from tessera.errors import GraphError
 from tessera.graph.csr import CSRMatrix
 from tessera.sparse.aggregate import aggregate
+from tessera.sparse.block_matmul import Block, block_matmul, fuse, products
 from tessera.sparse.gtask import GTaskPlan
 
 REGULAR, UNDERFILL, OVERFILL, FREQUENT = "regular", "underfill", "overfill", "frequent"
@@ -103,26 +109,17 @@ def regular_rows(plan: GTaskPlan, unit_rows: np.ndarray) -> int:
 
 
 @dataclass(frozen=True)
-class Block:
-    """One dense product: rows ``[offset, offset + units * size)`` of the gathered input, ``units``
-    slots of ``size`` rows, slot ``i`` multiplied by ``W[types[i]]``; ``category`` for profiling."""
-
-    offset: int
-    units: int
-    size: int
-    types: torch.Tensor
-    single_type: int | None
-    category: str
-
-
-@dataclass(frozen=True)
 class Execution:
-    """A plan laid out for :func:`typed_message_sum`: ``gather`` (rows x sources) selects the
-    rows, ``blocks`` multiply them, ``scatter`` (destinations x rows) sums them into the output;
+    """A plan laid out for :func:`typed_message_sum`: row ``i`` of the layout is source
+    ``gather[i]`` (``pad_rows``: the padding rows, zeros); ``blocks`` multiply them (the batches
+    of the layout; ``products``: the same with each run of adjacent one-relation batches as one
+    GEMM, what runs); ``scatter`` (destinations x rows) sums them into the output;
     ``scatter_edges[i]`` is the input edge id (position in the plan's edge table) of its entry ``i``."""
 
-    gather: CSRMatrix
+    gather: torch.Tensor
+    pad_rows: torch.Tensor
     blocks: tuple[Block, ...]
+    products: tuple[Block, ...]
     scatter: CSRMatrix
     scatter_edges: torch.Tensor
     regular: int
@@ -268,12 +265,10 @@ def _build(plan: GTaskPlan, policy: OutlierPolicy) -> Execution:
             lay.packed(gptr[num_units + ft], np.diff(gptr[num_units:]), ft, cat)
     position = lay.positions(row_group.size)
     total = lay.offset
-    gather_src = np.full(total, -1, np.int64)
-    gather_src[position] = row_src
-    live = gather_src >= 0
-    gather_ptr = np.zeros(total + 1, np.int64)
-    gather_ptr[1:] = np.cumsum(live)
-    gather = CSRMatrix.from_numpy(gather_ptr, gather_src[live], None, total, plan.num_src)
+    gather = np.full(total, -1, np.int64)
+    gather[position] = row_src
+    pad_rows = np.flatnonzero(gather < 0)
+    gather[pad_rows] = 0
     by_dst = np.argsort(plan.dst, kind="stable")
     scatter_ptr = np.zeros(plan.num_dst + 1, np.int64)
     scatter_ptr[1:] = np.cumsum(np.bincount(plan.dst, minlength=plan.num_dst))
@@ -289,7 +284,19 @@ def _build(plan: GTaskPlan, policy: OutlierPolicy) -> Execution:
         "frequent_pairs": int((pair_units >= policy.frequent).sum()),
         **{f"{c}_units": int((label == c).sum()) for c in CATEGORIES},
     }
-    return Execution(gather, tuple(lay.blocks), scatter, torch.from_numpy(plan.order[by_dst]), s, stats)
+    blocks = tuple(lay.blocks)
+    fused = fuse(blocks)
+    stats["products"] = len(fused)
+    return Execution(
+        torch.from_numpy(gather),
+        torch.from_numpy(pad_rows),
+        blocks,
+        fused,
+        scatter,
+        torch.from_numpy(plan.order[by_dst]),
+        s,
+        stats,
+    )
 
 
 def _check(x: torch.Tensor, weights: torch.Tensor, plan: GTaskPlan) -> None:
@@ -306,17 +313,18 @@ def _check(x: torch.Tensor, weights: torch.Tensor, plan: GTaskPlan) -> None:
         )
 
 
-def run_blocks(ex: Execution, xs: torch.Tensor, weights: torch.Tensor, blocks=None) -> list[torch.Tensor]:
-    """The dense product of each block (``blocks``: a subset, for profiling) on gathered rows ``xs``."""
-    out = []
-    f_in, f_out = weights.shape[1], weights.shape[2]
-    for b in ex.blocks if blocks is None else blocks:
-        rows = xs[b.offset : b.offset + b.units * b.size]
-        if b.single_type is not None:
-            out.append(rows @ weights[b.single_type])
-        else:
-            w = weights.index_select(0, b.types)
-            out.append(torch.bmm(rows.view(b.units, b.size, f_in), w).view(-1, f_out))
+def gather_rows(ex: Execution, x: torch.Tensor) -> torch.Tensor:
+    """The layout's rows of ``x`` (padding rows zero), differentiable."""
+    xs = x.index_select(0, ex.gather)
+    return xs.index_fill_(0, ex.pad_rows, 0) if ex.pad_rows.numel() else xs
+
+
+def run_blocks(ex: Execution, xs: torch.Tensor, weights: torch.Tensor, blocks=None) -> torch.Tensor:
+    """The dense products of ``blocks`` (default: all of ``ex.products``; a subset, for profiling)
+    on gathered rows ``xs``, without autograd: rows of the result outside ``blocks`` are undefined."""
+    out = xs.new_empty(xs.shape[0], weights.shape[2])
+    with torch.no_grad():
+        products(ex.products if blocks is None else blocks, xs, weights, out)
     return out
 
 
@@ -336,9 +344,7 @@ def typed_message_sum(
     ex = build_execution(plan, policy)
     if edge_weight is not None and edge_weight.shape != (plan.num_edges,):
         raise ValueError(f"edge_weight has shape {tuple(edge_weight.shape)}, expected ({plan.num_edges},)")
-    xs = aggregate(ex.gather, x, backend=backend)
-    ys = run_blocks(ex, xs, weights)
-    y = torch.cat(ys) if ys else x.new_zeros(0, weights.shape[2])
+    y = block_matmul(gather_rows(ex, x), weights, ex.products)
     c = None if edge_weight is None else edge_weight.index_select(0, ex.scatter_edges)
     return aggregate(ex.scatter, y, backend=backend, weight=c)
 

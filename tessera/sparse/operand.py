@@ -95,6 +95,17 @@ class Operand(ABC):
         (received, with their gradients sent back in backward)."""
         return xs
 
+    def relational_sources(
+        self, x: torch.Tensor, weight: torch.Tensor, reduce: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What :func:`~tessera.sparse.relational.relational_sum` multiplies for this operand's
+        rows, given ``x`` (its rows' inputs) and ``weight`` (``(R, fi, fo)``): the rows of the
+        columns of :meth:`relations` (:meth:`gather_sources`' rows), and a term to add to their
+        relational sum, or None. An operand over part of a graph whose remote sources are
+        transformed by their owners returns ``x`` (its relations then span its own sources) and
+        the received ``W_r x_j`` rows, already reduced into its rows."""
+        return self.gather_sources(x)[0], None
+
     def gather_edge_terms(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-vertex terms per-edge values are computed from, extended to :meth:`edge_structure`:
         ``src`` (rows as :meth:`gather_sources` returns them) to its columns and ``dst`` (this

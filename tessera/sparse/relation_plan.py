@@ -17,6 +17,7 @@ from tessera.graph.relations import (
     RelationPairs,
     all_pairs,
     destination_pairs,
+    edge_norm,
     edges_by_relation,
     pair_counts,
     source_pairs,
@@ -117,10 +118,8 @@ class Relations:
             dst = np.repeat(np.arange(m.num_rows, dtype=np.int64), np.diff(m.indptr.numpy()))
             etype = m.edge_type.numpy().astype(np.int64)
             plan = build_plan((src, dst, etype, max(m.num_rows, m.num_cols)), GTASK_RESTRICTIONS)
-            if reduce == "sum":
-                return plan, None
-            key = dst * self.num_relations + etype
-            return plan, torch.from_numpy(1.0 / np.bincount(key)[key]).float()
+            norm = edge_norm(m, reduce)
+            return plan, None if norm is None else torch.from_numpy(norm)
 
         return self._plan(("gtask", reduce), make)
 

@@ -28,6 +28,7 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.sparse.aggregate import aggregate, check_reduce
+from tessera.sparse.block_matmul import block_matmul, segment_blocks
 from tessera.sparse.gtask_kernels import typed_message_sum
 from tessera.sparse.operand import Operand
 from tessera.sparse.relation_plan import VARIANTS, Relations
@@ -39,42 +40,6 @@ def segment_matmul_reference(x: torch.Tensor, ptr: torch.Tensor, weight: torch.T
     return torch.cat([x[int(ptr[r]) : int(ptr[r + 1])] @ weight[r] for r in range(weight.shape[0])], 0)
 
 
-class SegmentMatmulFn(torch.autograd.Function):
-    """``out[ptr[r]:ptr[r+1]] = x[ptr[r]:ptr[r+1]] @ weight[r]``: one GEMM per segment, into one buffer."""
-
-    @staticmethod
-    def forward(ctx, x, ptr, weight):
-        bounds = ptr.tolist()
-        out = x.new_empty(x.shape[0], weight.shape[2])
-        for r in range(weight.shape[0]):
-            a, b = bounds[r], bounds[r + 1]
-            if b > a:
-                torch.mm(x[a:b], weight[r], out=out[a:b])
-        ctx.bounds = bounds
-        ctx.save_for_backward(x, weight)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        bounds = ctx.bounds
-        g = g.contiguous()
-        gx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros_like(weight) if ctx.needs_input_grad[2] else None
-        for r in range(weight.shape[0]):
-            a, b = bounds[r], bounds[r + 1]
-            if b == a:
-                continue
-            if gx is not None:
-                torch.mm(g[a:b], weight[r].t(), out=gx[a:b])
-            if gw is not None:
-                torch.mm(x[a:b].t(), g[a:b], out=gw[r])
-        if gx is not None:
-            gx[: bounds[0]] = 0
-            gx[bounds[-1] :] = 0
-        return gx, None, gw
-
-
 def segment_matmul(x: torch.Tensor, ptr: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x`` ``(M, fi)`` whose rows ``ptr[r]:ptr[r+1]`` belong to segment ``r``, times ``weight[r]``
     ``(R, fi, fo)``; rows outside every segment give zeros. Autograd for ``x`` and ``weight``."""
@@ -83,8 +48,7 @@ def segment_matmul(x: torch.Tensor, ptr: torch.Tensor, weight: torch.Tensor) -> 
             f"segment_matmul needs x (M, fi), ptr (R+1,), weight (R, fi, fo); got {tuple(x.shape)}, "
             f"{tuple(ptr.shape)}, {tuple(weight.shape)}"
         )
-    out = SegmentMatmulFn.apply(x.contiguous(), ptr, weight.contiguous())
-    return out
+    return block_matmul(x, weight, segment_blocks(ptr.tolist()))
 
 
 # ---------------------------------------------------------------------------------------- variants
@@ -150,6 +114,18 @@ def relational_aggregate(
     elif variant not in VARIANTS:
         raise ConfigError(f"unknown RGCN variant {variant!r}; choose auto or one of {', '.join(VARIANTS)}")
     return run_variant(rel, variant, x, weight, reduce)
+
+
+def relational_sum(
+    operand: Operand, x: torch.Tensor, weight: torch.Tensor, reduce: str = "mean", variant: str = "auto"
+) -> torch.Tensor:
+    """:func:`relational_aggregate` for ``operand``'s rows from ``x``, the inputs of its rows
+    (not of its columns): the operand brings in its remote sources, as their input rows or as
+    their owners' ``W_r x_j`` rows (:meth:`~tessera.sparse.operand.Operand.relational_sources`)."""
+    check_reduce(reduce)
+    x_src, remote = operand.relational_sources(x, weight, reduce)
+    out = relational_aggregate(operand, x_src, weight, reduce, variant)
+    return out if remote is None else out + remote
 
 
 def relational_aggregate_reference(

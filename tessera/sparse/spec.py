@@ -18,7 +18,10 @@ class LayerSpec:
     columns independently, so it can run on column slices (tensor parallelism); an LSTM over a
     vertex's neighbour sequence mixes a row's columns. ``relations``: a relational layer (RGCN)
     with that many relations, whose per-edge work needs each source's row and the edge's relation
-    (0: not relational)."""
+    (0: not relational). ``choose_placement``: the layer runs either placement and leaves the
+    choice to the strategy, which knows what each exchanges (a relational layer with none fixed:
+    its sources' input rows, as described, or its transformed rows per remote (relation, source)
+    pair at ``out_width``, whichever moves fewer bytes)."""
 
     in_width: int
     out_width: int
@@ -28,6 +31,7 @@ class LayerSpec:
     edge_terms: int = 0
     column_separable: bool = True
     relations: int = 0
+    choose_placement: bool = False
 
     def aggregates_input_grad(self, input_needs_grad: bool) -> bool:
         """Whether the backward pass runs this layer's transposed aggregation."""

@@ -292,14 +292,24 @@ def build_rank_plan(
     """Rank ``rank``'s plan from the global destination-major CSR and the part vector
     (``world`` defaults to ``max(part) + 1``; pass it when trailing ranks may own nothing)."""
     _check_mode(mode)
+    world, args, _ = graph_rank_inputs(indptr, indices, weight, part, rank, world)
+    return _build(rank, world, mode, *args, make_split(mode))
+
+
+def graph_rank_inputs(
+    indptr: np.ndarray, indices: np.ndarray, weight: np.ndarray | None, part: np.ndarray, rank: int, world: int | None
+) -> tuple[int, tuple, np.ndarray]:
+    """Rank ``rank``'s edges of the global destination-major CSR: the world size, the arrays a
+    plan is built from (owned ids; in-edges as CSR over owned rows with global sources, weights
+    and source owners; outgoing cut edges' local sources, global destinations, weights and
+    destination owners) and the graph's edge ids of the outgoing cut edges."""
     indptr, indices, weight, part, world = _check_inputs(indptr, indices, weight, part, world)
-    if world is not None and not 0 <= rank < world:
+    if not 0 <= rank < world:
         raise ValueError(f"rank {rank} out of range for world size {world}")
     dst = rows_of(indptr)
     out_e = np.flatnonzero((part[indices] == rank) & (part[dst] != rank))
     owned = np.flatnonzero(part == rank).astype(np.int64)
-    args = _rank_inputs(indptr, indices, weight, part, rank, owned, out_e, dst)
-    return _build(rank, world, mode, *args, make_split(mode))
+    return world, _rank_inputs(indptr, indices, weight, part, rank, owned, out_e, dst), out_e
 
 
 def build_plans(
@@ -331,6 +341,11 @@ def build_plans(
 def plan_from_part(data: dict[str, Any], mode: str = "prepost") -> RankPlan:
     """Rank ``data['rank']``'s plan from its own part file (``tessera.graph.partition.assign.load_part``)."""
     _check_mode(mode)
+    return _build(int(data["rank"]), int(data["parts"]), mode, *part_rank_inputs(data), make_split(mode))
+
+
+def part_rank_inputs(data: dict[str, Any]) -> tuple:
+    """The arrays a plan is built from (as :func:`graph_rank_inputs`) from a rank's own part file."""
     ref_ids, ref_part = data["ref_ids"].astype(np.int64), data["ref_part"].astype(np.int64)
     src = data["src"].astype(np.int64)
     out_dst = data["out_dst"].astype(np.int64)
@@ -339,10 +354,7 @@ def plan_from_part(data: dict[str, Any], mode: str = "prepost") -> RankPlan:
         return ref_part[np.searchsorted(ref_ids, ids)] if ids.size else np.zeros(0, dtype=np.int64)
 
     w, ow = data.get("weight"), data.get("out_weight")
-    return _build(
-        int(data["rank"]),
-        int(data["parts"]),
-        mode,
+    return (
         data["owned"].astype(np.int64),
         data["indptr"].astype(np.int64),
         src,
@@ -352,7 +364,6 @@ def plan_from_part(data: dict[str, Any], mode: str = "prepost") -> RankPlan:
         out_dst,
         None if ow is None else ow.astype(np.float32),
         owner(out_dst),
-        make_split(mode),
     )
 
 

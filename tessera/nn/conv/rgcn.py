@@ -10,7 +10,7 @@ from tessera.errors import ConfigError
 from tessera.nn.conv._util import glorot_
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
-from tessera.sparse.relational import relational_aggregate
+from tessera.sparse.relational import relational_sum
 
 
 class RGCNConv(GraphConv):
@@ -22,7 +22,9 @@ class RGCNConv(GraphConv):
     (``weight``: ``(R, in, out)``, ``(B, in, out)`` with bases, ``(R, blocks, in/blocks,
     out/blocks)`` with blocks; ``comp``; ``root``: ``(in, out)``; ``bias``), so a PyG state dict
     loads as is. ``variant`` picks how the relational sum is computed
-    (:mod:`tessera.sparse.relational`; ``auto``: by the operand's cost model and measurement)."""
+    (:mod:`tessera.sparse.relational`; ``auto``: by the operand's cost model and measurement).
+    The operation placement (:meth:`place`) decides what a partitioned rank receives for its
+    remote sources (:meth:`describe`); None leaves it to the strategy."""
 
     def __init__(
         self,
@@ -94,18 +96,30 @@ class RGCNConv(GraphConv):
             raise ConfigError(
                 f"the graph has {rel.num_relations} relations but this RGCN layer was built for {self.num_relations}"
             )
-        (x_src,) = a.gather_sources(x)  # a partitioned rank appends its remote sources' rows
-        out = relational_aggregate(a, x_src, self.relation_weights(), self.aggr, self.variant)
+        out = relational_sum(a, x, self.relation_weights(), self.aggr, self.variant)
         if self.root is not None:
             out = out + sparse.linear(x, self.root.t())
         return out if self.bias is None else out + self.bias
 
     def describe(self) -> LayerSpec:
-        """Reads its sources' input rows (``in`` wide) per edge and relation: under partition
-        parallelism a rank receives its remote sources' rows once per layer, for every relation."""
+        """Under partition parallelism a rank either gathers its remote sources' input rows (``in``
+        wide, once per layer for every relation; ``aggregate_first`` True) or receives their
+        owners' ``W_r x_j`` rows (``out`` wide, one per remote (relation, source) pair;
+        ``aggregate_first`` False). With no placement fixed the strategy takes the one whose
+        exchange moves fewer bytes (``choose_placement``; the description is the gather's)."""
+        first = self.aggregate_first is not False
         return LayerSpec(
-            self.in_channels, self.out_channels, self.in_channels, True, True, relations=self.num_relations
+            self.in_channels,
+            self.out_channels,
+            self.in_channels if first else self.out_channels,
+            first,
+            True,
+            relations=self.num_relations,
+            choose_placement=self.aggregate_first is None,
         )
+
+    def placements(self) -> tuple[bool, ...]:
+        return (True, False)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, num_relations={self.num_relations}, aggr={self.aggr}"
