@@ -10,9 +10,9 @@ with the backward exchange the simulator gives the layer (``exchange_layers``: a
 aggregates constant raw features at ``--dropout 0`` exchanges nothing), timed by SuperGCN's model
 over blocks: per exchange, its slowest sender (:func:`~tessera.planner.model.blocks_sender_s`).
 A hybrid exchange's senders are its row groups' (all-to-all) or its column groups' (halo), each
-group timed apart, so no P x P matrix is built. With the candidate's own compute terms (the same
-rates), a layer's candidate of least total is its modelled optimum, which the model-only plan
-must choose (``tessera simulate --plan`` prints whether it does).
+group timed apart, so no P x P matrix is built. With the candidate's other terms (dense,
+aggregate, memory: the same rates), a layer's candidate of least total is its modelled optimum,
+which the model-only plan must choose (``tessera simulate --plan`` prints whether it does).
 """
 
 from __future__ import annotations
