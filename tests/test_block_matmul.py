@@ -46,11 +46,11 @@ def test_block_matmul_and_its_gradients_equal_the_row_loop():
 
 def test_fuse_merges_adjacent_batches_of_one_relation_and_category_only():
     fused = fuse(BLOCKS)
-    assert [(b.offset, b.rows, b.single_type, b.category) for b in fused] == [
-        (0, 6, 1, "regular"),
-        (8, 6, None, "regular"),
-        (14, 2, 2, "regular"),
-        (16, 2, 2, "underfill"),
+    assert [(b.offset, b.units, b.rows, b.single_type, b.category) for b in fused] == [
+        (0, 1, 6, 1, "regular"),
+        (8, 3, 6, None, "regular"),
+        (14, 2, 2, 2, "regular"),
+        (16, 1, 2, 2, "underfill"),
     ]
     # a gap between two blocks of one relation keeps them apart
     apart = [Block(0, 1, 2, torch.tensor([0]), 0), Block(3, 1, 2, torch.tensor([0]), 0)]

@@ -53,7 +53,7 @@ def fuse(blocks: Sequence[Block]) -> tuple[Block, ...]:
             and last.category == b.category
             and last.offset + last.rows == b.offset
         ):
-            out[-1] = Block(last.offset, 1, last.rows + b.rows, last.types, last.single_type, last.category)
+            out[-1] = Block(last.offset, 1, last.rows + b.rows, last.types[:1], last.single_type, last.category)
         else:
             out.append(b)
     return tuple(out)

@@ -316,7 +316,13 @@ def _check(x: torch.Tensor, weights: torch.Tensor, plan: GTaskPlan) -> None:
 def gather_rows(ex: Execution, x: torch.Tensor) -> torch.Tensor:
     """The layout's rows of ``x`` (padding rows zero), differentiable."""
     xs = x.index_select(0, ex.gather)
-    return xs.index_fill_(0, ex.pad_rows, 0) if ex.pad_rows.numel() else xs
+    if ex.pad_rows.numel():
+        # Outside autograd: a padding row's gradient is exactly zero (the scatter reads none of
+        # them), so nothing needs masking in the backward, and a differentiable index_fill_ would
+        # copy the whole gradient of xs to zero those rows.
+        with torch.no_grad():
+            xs.index_fill_(0, ex.pad_rows, 0)
+    return xs
 
 
 def run_blocks(ex: Execution, xs: torch.Tensor, weights: torch.Tensor, blocks=None) -> torch.Tensor:

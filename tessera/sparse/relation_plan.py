@@ -138,7 +138,9 @@ def variant_cost(stats: RelationStats, fi: int, fo: int, variant: str) -> tuple[
     ps, pd = stats.source_pairs, stats.destination_pairs
     if variant == "transform_first":
         rows, gathered, extra = r * stats.cols, e * fo, r * stats.cols * fo
-    elif variant in ("unique_source", "gtask"):  # a gTask multiplies its unique sources' rows
+    elif variant in ("unique_source", "gtask"):
+        # a gTask multiplies its unique sources' rows; a relation's batches run as one GEMM, so the
+        # gtask variant makes a few products per relation, as unique_source does (no per-gTask term)
         rows, gathered, extra = ps, e * fo + ps * fi, ps * (fi + fo)
     elif variant == "aggregate_first":
         rows, gathered, extra = pd, e * fi + pd * fo, pd * (fi + fo)

@@ -15,7 +15,8 @@ are :mod:`tessera.graph.relations`'):
 * ``edge_wise``: ``W_r x_j`` per edge, scattered into the destinations (FLOPs ``2 E fi fo``);
 * ``gtask``: the edges cut into gTasks (WiseGraph §4, :mod:`tessera.sparse.gtask`) of one
   relation and at most 64 distinct sources, each one dense product of its unique sources' rows,
-  batched, with the outlier gTasks handled (:func:`~tessera.sparse.gtask_kernels.typed_message_sum`).
+  batched (a relation's adjacent batches as one GEMM), with the outlier gTasks handled
+  (:func:`~tessera.sparse.gtask_kernels.typed_message_sum`).
 
 The cost model (:mod:`tessera.sparse.relation_plan`) gives each one's FLOPs and bytes; an
 operand's :class:`~tessera.sparse.relation_plan.Relations` picks
