@@ -83,7 +83,8 @@ class OutlierPolicy:
     ``underfill``: rows < ``underfill * S``; ``overfill``: rows > ``overfill * S``; ``frequent``: a
     (relation, source) pair in at least this many units is a frequent value, and a unit at least
     half of whose rows are frequent values is a frequent-value unit (this label wins over the other
-    two); ``batch_rows``: rows per batched product (``B = max(1, batch_rows // S)`` units).
+    two); ``batch_rows``: rows per batch (``B = max(1, batch_rows // S)`` units; adjacent batches of
+    one relation run as one GEMM, so it shapes only the products of batches mixing relations).
 
     ``handle=False`` is the paper's uniform baseline: every unit, in scan order, batched ``B`` at a
     time and padded to its batch's largest (batches mixing relations run as one ``torch.bmm`` with a
