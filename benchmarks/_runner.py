@@ -56,6 +56,20 @@ def allocator_env(allocator: str, jemalloc: str | None) -> dict[str, str] | None
     raise ValueError(f"unknown allocator {allocator!r}")
 
 
+def thread_env(threads: int) -> dict[str, str]:
+    """Environment of a benchmark child: ``threads`` for OpenMP, MKL, OpenBLAS and numba, this
+    checkout first on ``PYTHONPATH``, unbuffered output."""
+    t = str(threads)
+    return {
+        "OMP_NUM_THREADS": t,
+        "MKL_NUM_THREADS": t,
+        "OPENBLAS_NUM_THREADS": t,
+        "NUMBA_NUM_THREADS": t,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 # ---------------------------------------------------------------------------------- tessera trees
 def tessera_src_sha1(pkg: Path) -> str:
     """SHA-1 (12 hex digits) over a ``tessera`` package's ``.py`` files; the same digest as

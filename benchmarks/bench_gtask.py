@@ -31,9 +31,11 @@ import torch
 
 from tessera.graph.synthetic import generate
 from tessera.sparse.aggregate import aggregate
+from tessera.sparse.block_matmul import block_matmul
 from tessera.sparse.gtask import build_plan, edge_attributes, greedy_cuts
 from tessera.sparse.gtask_kernels import (
     CATEGORIES,
+    REGULAR,
     OutlierPolicy,
     build_execution,
     gather_rows,
@@ -43,14 +45,28 @@ from tessera.sparse.gtask_kernels import (
 )
 from tessera.threads import set_num_threads
 
-WALL: dict = {}  # minimum wall seconds of the last _median_times call, by key
+WALL: dict = {}  # minimum wall seconds of the last median_times call, by key
+WALL_MEDIAN: dict = {}  # median wall seconds of the last median_times call, by key
+THROUGHPUT_HEADER = ["plan", "CPU ms", "min wall ms", "M edges per CPU s", "rows", "padded rows", "batches", "products"]
+K_PLAN = "uniq(Src.ID)={k} & uniq(Edge.Type)=1"  # WiseGraph Fig. 18a
+OUTLIER_HEADER = [
+    "schedule",
+    *CATEGORIES,
+    "outliers",
+    "gather",
+    "scatter",
+    "total",
+    "total min wall",
+    "rows",
+    "padded rows",
+]
 
 
-def _median_times(fns: dict, repeats: int) -> dict:
+def median_times(fns: dict, repeats: int) -> dict:
     """Median process CPU seconds of each callable (all threads; with OMP_WAIT_POLICY=PASSIVE an
     idle thread does not count), run round-robin ``repeats`` times after one warm-up. CPU time,
-    not wall time: on a shared machine wall time measures the other jobs; the minimum wall time is
-    kept beside it as ``(cpu, wall)`` under the key's ``"wall"`` twin."""
+    not wall time: on a shared machine wall time measures the other jobs; the minimum and median
+    wall times are kept beside it in :data:`WALL` and :data:`WALL_MEDIAN`."""
     for f in fns.values():
         f()
     cpu, wall = {k: [] for k in fns}, {k: [] for k in fns}
@@ -61,15 +77,89 @@ def _median_times(fns: dict, repeats: int) -> dict:
             wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
     WALL.update({k: min(v) for k, v in wall.items()})
+    WALL_MEDIAN.update({k: statistics.median(v) for k, v in wall.items()})
     return {k: statistics.median(v) for k, v in cpu.items()}
 
 
-def _table(title: str, header: list[str], rows: list[list]) -> None:
+def table(title: str, header: list[str], rows: list[list]) -> None:
+    """Print a markdown table under a ``###`` title (floats to 3 significant digits)."""
     print(f"\n### {title}\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
         print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r) + " |")
+
+
+def k_plans(edges, ks: list[int]) -> dict:
+    """``"K=k" -> plan`` of :data:`K_PLAN` for every ``k`` (0 means inf: one gTask per relation)."""
+    out = {}
+    for k in ks:
+        label = "inf" if k == 0 else str(k)
+        out[f"K={label}"] = build_plan(edges, K_PLAN.format(k=label))
+    return out
+
+
+def throughput_rows(t: dict, info: dict, num_edges: int) -> list[list]:
+    """Rows of :data:`THROUGHPUT_HEADER` from :func:`median_times`' result and each key's execution
+    stats (keys without stats, e.g. a baseline, leave those columns empty)."""
+    return [
+        [k, t[k] * 1e3, WALL[k] * 1e3, num_edges / t[k] / 1e6]
+        + ([info[k][s] for s in ("rows", "padded_rows", "blocks", "products")] if k in info else [""] * 4)
+        for k in t
+    ]
+
+
+def with_backward(fn):
+    """``fn`` followed by the backward pass of its output, with an all-ones output gradient, when
+    the output needs a gradient."""
+
+    def step() -> None:
+        out = fn()
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+
+    return step
+
+
+def outlier_rows(
+    plan, x, w, repeats: int, *, edge_weight=None, backward: bool = False, total=None, handles=(False, True)
+) -> list[list]:
+    """Rows of :data:`OUTLIER_HEADER`, one per schedule of ``plan`` (``handles``: False is uniform,
+    True handled): CPU time of each category's products (the fused products that run), of the
+    gather, the scatter and the ``total`` (default: the whole typed message sum; else
+    ``total(policy)`` gives the forward callable to time), each with its backward pass when
+    ``backward`` (the products then differentiate in ``w`` and, when ``x`` needs a gradient,
+    their gathered rows; the scatter in its rows)."""
+    rows = []
+    for handle in handles:
+        pol = OutlierPolicy(handle=handle)
+        ex = build_execution(plan, pol)
+        xs = gather_rows(ex, x).detach().requires_grad_(backward and x.requires_grad)
+        ys = run_blocks(ex, xs, w).requires_grad_(backward)
+        c = None if edge_weight is None else edge_weight.index_select(0, ex.scatter_edges)
+        product = block_matmul if backward else (lambda xs, w, bl, ex=ex: run_blocks(ex, xs, w, bl))
+        fns = {
+            cat: (lambda bl=[b for b in ex.products if b.category == cat], xs=xs, product=product: product(xs, w, bl))
+            for cat in CATEGORIES
+        }
+        fns["gather"] = lambda ex=ex: gather_rows(ex, x)
+        fns["scatter"] = lambda ex=ex, ys=ys, c=c: aggregate(ex.scatter, ys, backend="csr", weight=c)
+        fns["total"] = (
+            (lambda pol=pol: typed_message_sum(x, w, plan, pol, edge_weight=edge_weight))
+            if total is None
+            else total(pol)
+        )
+        if backward:
+            fns = {k: with_backward(f) for k, f in fns.items()}
+        t = median_times(fns, repeats)
+        st = ex.stats
+        rows.append(
+            ["handled" if handle else "uniform"]
+            + [f"{t[c] * 1e3:.1f} ({st[c + '_units']})" for c in CATEGORIES]
+            + [sum(t[c] for c in CATEGORIES if c != REGULAR) * 1e3, t["gather"] * 1e3, t["scatter"] * 1e3]
+            + [t["total"] * 1e3, WALL["total"] * 1e3, st["rows"], st["padded_rows"]]
+        )
+    return rows
 
 
 def main() -> None:
@@ -115,7 +205,7 @@ def main() -> None:
             bounded = [r for r in plan.restrictions.items if r.limit is not None]
             greedy_cuts([attrs[r.attribute][plan.order] for r in bounded], [r.limit for r in bounded], plan.num_edges)
             rows.append([text, plan.num_tasks, time.perf_counter() - t2, t1 - t0, t2 - t1])
-        _table(
+        table(
             "plan building (wall s)",
             ["restrictions", "gTasks", "greedy scan alone", "build_plan (sort, scan, metadata)", "layout"],
             rows,
@@ -123,72 +213,26 @@ def main() -> None:
 
     if "k" not in args.skip:
         fns, info = {"per-relation (tensor-centric)": lambda: typed_message_sum_reference(x, w, src, dst, etype, n)}, {}
-        for k in args.ks:
-            text = f"uniq(Src.ID)={'inf' if k == 0 else k} & uniq(Edge.Type)=1"
-            plan = build_plan(g, text)
+        for label, plan in k_plans(g, args.ks).items():
             for handle in (False, True):
                 pol = OutlierPolicy(handle=handle)
                 out = typed_message_sum(x, w, plan, pol)
-                assert torch.allclose(out, ref, rtol=1e-4, atol=1e-3), text
-                key = f"K={'inf' if k == 0 else k}, {'handled' if handle else 'uniform'}"
+                assert torch.allclose(out, ref, rtol=1e-4, atol=1e-3), label
+                key = f"{label}, {'handled' if handle else 'uniform'}"
                 fns[key] = lambda plan=plan, pol=pol: typed_message_sum(x, w, plan, pol)
                 info[key] = build_execution(plan, pol).stats
-        t = _median_times(fns, args.repeats)
-        rows = [
-            [k, t[k] * 1e3, WALL[k] * 1e3, g.num_edges / t[k] / 1e6]
-            + ([info[k]["rows"], info[k]["padded_rows"], info[k]["blocks"]] if k in info else ["", "", ""])
-            for k in fns
-        ]
-        _table(
-            "throughput vs K, uniq(Src.ID)=K & uniq(Edge.Type)=1 (forward)",
-            ["plan", "CPU ms", "min wall ms", "M edges per CPU s", "rows", "padded rows", "products"],
-            rows,
+        t = median_times(fns, args.repeats)
+        table(
+            f"throughput vs K, {K_PLAN.format(k='K')} (forward)",
+            THROUGHPUT_HEADER,
+            throughput_rows(t, info, g.num_edges),
         )
 
     if "outliers" not in args.skip:
-        plan = build_plan(g, args.outlier_plan)
-        rows = []
-        for handle in (False, True):
-            pol = OutlierPolicy(handle=handle)
-            ex = build_execution(plan, pol)
-            xs = gather_rows(ex, x)
-            fns = {
-                c: (lambda c=c, ex=ex, xs=xs: run_blocks(ex, xs, w, [b for b in ex.blocks if b.category == c]))
-                for c in CATEGORIES
-            }
-            fns["gather"] = lambda ex=ex: gather_rows(ex, x)
-            ys = run_blocks(ex, xs, w)
-            fns["scatter"] = lambda ex=ex, ys=ys: aggregate(ex.scatter, ys, backend="csr")
-            fns["total"] = lambda pol=pol: typed_message_sum(x, w, plan, pol)
-            t = _median_times(fns, args.repeats)
-            st = ex.stats
-            outl = sum(t[c] for c in CATEGORIES if c != "regular")
-            rows.append(
-                ["handled" if handle else "uniform"]
-                + [f"{t[c] * 1e3:.1f} ({st[c + '_units']})" for c in CATEGORIES]
-                + [
-                    outl * 1e3,
-                    t["gather"] * 1e3,
-                    t["scatter"] * 1e3,
-                    t["total"] * 1e3,
-                    WALL["total"] * 1e3,
-                    st["rows"],
-                    st["padded_rows"],
-                ]
-            )
-        _table(
+        rows = outlier_rows(build_plan(g, args.outlier_plan), x, w, args.repeats)
+        table(
             f"differentiated outlier execution, {args.outlier_plan}: product CPU ms per category (units)",
-            [
-                "schedule",
-                *CATEGORIES,
-                "outliers",
-                "gather",
-                "scatter",
-                "total",
-                "total min wall",
-                "rows",
-                "padded rows",
-            ],
+            OUTLIER_HEADER,
             rows,
         )
 
@@ -207,12 +251,12 @@ def main() -> None:
                 pol = dataclasses.replace(base, **{field: v})
                 fns[(field, v)] = lambda pol=pol: typed_message_sum(x, w, plan, pol)
                 info[(field, v)] = build_execution(plan, pol).stats
-        t = _median_times(fns, args.repeats)
+        t = median_times(fns, args.repeats)
         rows = [
             [fld, v, t[(fld, v)] * 1e3, WALL[(fld, v)] * 1e3, info[(fld, v)]["rows"], info[(fld, v)]["padded_rows"]]
             for fld, v in fns
         ]
-        _table(
+        table(
             f"threshold sweeps from {base}, {args.outlier_plan} (forward)",
             ["field", "value", "CPU ms", "min wall ms", "rows", "padded rows"],
             rows,

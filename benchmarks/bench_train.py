@@ -63,6 +63,7 @@ from _runner import (
     find_jemalloc,
     probe_tessera_tree,
     run_child,
+    thread_env,
     tree_pythonpath,
     wait_for_quiet,
 )
@@ -167,18 +168,6 @@ def graph_spec(name: str) -> str:
     return name if (":" in name or "/" in name or name.startswith("ogbn-")) else f"synthetic:{name}"
 
 
-def _child_env(threads: int) -> dict[str, str]:
-    t = str(threads)
-    return {
-        "OMP_NUM_THREADS": t,
-        "MKL_NUM_THREADS": t,
-        "OPENBLAS_NUM_THREADS": t,
-        "NUMBA_NUM_THREADS": t,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -195,7 +184,7 @@ def measure_stream(python: str, threads: int, cpu: CpuWeight | None = None) -> d
     if cg is not None:
         cmd = ["sh", "-c", JOIN_CGROUPS, "sh", str(cg), "--", *cmd]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **_child_env(threads)})
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **thread_env(threads)})
         return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-300:]}
     except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
         return {"error": str(e)}
@@ -210,7 +199,7 @@ def dump_graph(python: str, spec: str, out_dir: Path, seed: int) -> dict[str, An
         [python, str(ROOT / "benchmarks" / "_graphdata.py"), spec, str(out_dir), str(seed)],
         capture_output=True,
         text=True,
-        env={**os.environ, **_child_env(os.cpu_count() or 1)},
+        env={**os.environ, **thread_env(os.cpu_count() or 1)},
         cwd=ROOT,
     )
     if r.returncode != 0:
@@ -411,7 +400,7 @@ def _one(
         "weight_decay": 5e-4,
         "backend": a.tessera_backend,
     }
-    child_env = {**_child_env(a.threads), **env}
+    child_env = {**thread_env(a.threads), **env}
     if tree is not None:
         child_env["PYTHONPATH"] = tree_pythonpath(tree)
     launch = Launch(
