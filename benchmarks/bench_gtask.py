@@ -121,15 +121,30 @@ def with_backward(fn):
     return step
 
 
+def _category_rows(ex, xs, category: str):
+    """The gathered rows of ``category``'s products packed in order (a leaf, needing a gradient
+    when ``xs`` does) and those products re-offset onto them: timing one category then costs its
+    own rows, not an output and a gradient as large as the whole layout."""
+    rows, blocks, at = [], [], 0
+    for b in ex.products:
+        if b.category == category:
+            rows.append(xs[b.offset : b.offset + b.rows])
+            blocks.append(dataclasses.replace(b, offset=at))
+            at += b.rows
+    packed = torch.cat(rows) if rows else xs[:0]
+    return packed.detach().requires_grad_(xs.requires_grad), blocks
+
+
 def outlier_rows(
     plan, x, w, repeats: int, *, edge_weight=None, backward: bool = False, total=None, handles=(False, True)
 ) -> list[list]:
     """Rows of :data:`OUTLIER_HEADER`, one per schedule of ``plan`` (``handles``: False is uniform,
-    True handled): CPU time of each category's products (the fused products that run), of the
-    gather, the scatter and the ``total`` (default: the whole typed message sum; else
-    ``total(policy)`` gives the forward callable to time), each with its backward pass when
-    ``backward`` (the products then differentiate in ``w`` and, when ``x`` needs a gradient,
-    their gathered rows; the scatter in its rows)."""
+    True handled): CPU time of each category's products (the fused products that run, on the
+    category's rows packed apart: :func:`_category_rows`), of the gather, the scatter and the
+    ``total`` (default: the whole typed message sum; else ``total(policy)`` gives the forward
+    callable to time), each with its backward pass when ``backward`` (the products then
+    differentiate in ``w`` and, when ``x`` needs a gradient, their gathered rows; the scatter in
+    its rows)."""
     rows = []
     for handle in handles:
         pol = OutlierPolicy(handle=handle)
@@ -137,11 +152,13 @@ def outlier_rows(
         xs = gather_rows(ex, x).detach().requires_grad_(backward and x.requires_grad)
         ys = run_blocks(ex, xs, w).requires_grad_(backward)
         c = None if edge_weight is None else edge_weight.index_select(0, ex.scatter_edges)
-        product = block_matmul if backward else (lambda xs, w, bl, ex=ex: run_blocks(ex, xs, w, bl))
-        fns = {
-            cat: (lambda bl=[b for b in ex.products if b.category == cat], xs=xs, product=product: product(xs, w, bl))
-            for cat in CATEGORIES
-        }
+        fns = {}
+        for cat in CATEGORIES:
+            rows_c, blocks_c = _category_rows(ex, xs, cat)
+            if backward:
+                fns[cat] = lambda r=rows_c, bl=blocks_c: block_matmul(r, w, bl)
+            else:
+                fns[cat] = lambda r=rows_c, bl=blocks_c, ex=ex: run_blocks(ex, r, w, bl)
         fns["gather"] = lambda ex=ex: gather_rows(ex, x)
         fns["scatter"] = lambda ex=ex, ys=ys, c=c: aggregate(ex.scatter, ys, backend="csr", weight=c)
         fns["total"] = (
