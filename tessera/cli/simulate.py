@@ -226,38 +226,14 @@ def run(args: argparse.Namespace) -> int:
         vol["timing_s"]["model"] = time.perf_counter() - t1
         vol["timing_s"]["total"] = time.perf_counter() - t
         runs.append({"vol": vol, "proj": proj})
+        # the arguments tensor_volumes and hybrid_volumes take after their own
+        shared = (args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages, args.dropout)
         if "tensor" in strategies:
-            tv = tensor_volumes(
-                g,
-                p,
-                specs,
-                args.method,
-                args.seed,
-                args.norm,
-                args.label_prop,
-                bits,
-                args.pipeline_stages,
-                args.dropout,
-            )
+            tv = tensor_volumes(g, p, specs, *shared)
             tv["time_s"] = project_tensor(tv, m)
             runs[-1]["tensor"] = tv
         runs[-1]["hybrid"] = [
-            hybrid_volumes(
-                g,
-                p,
-                k,
-                specs,
-                mode,
-                args.method,
-                args.seed,
-                args.norm,
-                args.label_prop,
-                bits,
-                args.pipeline_stages,
-                args.dropout,
-            )
-            for k in groups.get(p, [])
-            for mode in modes
+            hybrid_volumes(g, p, k, specs, mode, *shared) for k in groups.get(p, []) for mode in modes
         ]
     if args.plan:
         for r, plan in zip(runs, modelled_plans(g, runs, args, m, int(out_dim))):
