@@ -80,16 +80,6 @@ def _rows_block(graph: Graph, world: int, rank: int) -> CSRMatrix:
     return CSRMatrix.from_numpy(sub, graph.indices.numpy()[indptr[lo] : indptr[hi]], None, hi - lo, n)
 
 
-def _modelled_backend(block: CSRMatrix, x: torch.Tensor, backend: str, transposed: bool) -> str:
-    """``backend``, or for ``auto`` the selection model's favourite for this product: the block is
-    a stand-in for the runtime's matrices, so a measured backend trial on it would be time spent
-    on a decision nothing reuses."""
-    if backend != "auto":
-        return backend
-    names = select.candidates(x)
-    return select.trial_candidates(block, int(x.shape[1]), False, transposed, names)[0]
-
-
 def measure_compute(
     graph: Graph,
     rank: int,
@@ -103,6 +93,7 @@ def measure_compute(
     rates from the mean of a forward and a transposed product at the two ``widths``."""
     gen = torch.Generator().manual_seed(rank)
     block = _rows_block(graph, world, rank)
+    op = local_operand(block, backend)
     edges = max(block.num_edges, 1)
     lo, hi = min(widths), max(widths)
     hi = hi if hi > lo else lo + 8
@@ -112,9 +103,10 @@ def measure_compute(
         # random floats on every rank would cost more than the products timed
         x = torch.full((graph.num_nodes, w), 0.5)
         g = torch.full((block.num_rows, w), 0.5)
-        fwd = local_operand(block, _modelled_backend(block, x, backend, False))
-        bwd = local_operand(block, _modelled_backend(block, g, backend, True))
-        t[w] = (_best(partial(fwd.spmm, x), comm) + _best(partial(bwd.spmm_t, g), comm)) / (2 * edges)
+        # the block stands in for the runtime's matrices: a backend trial on it would decide
+        # nothing anything reuses, so ``auto`` runs the selection model's favourite
+        with select.modelled_only():
+            t[w] = (_best(partial(op.spmm, x), comm) + _best(partial(op.spmm_t, g), comm)) / (2 * edges)
     value_s = max((t[hi] - t[lo]) / (hi - lo), 1e-13)
     edge_s = max(t[lo] - value_s * lo, 0.0)
     rows = max(block.num_rows, 256)
