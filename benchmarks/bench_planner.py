@@ -7,7 +7,8 @@ In one script run, per P: each assignment (partition in its three modes, tensor,
 partitions (no plan, no kernel decision carried over from another run);
 ``--rounds R`` repeats the whole sequence R times, interleaved, so a slow spell of the shared
 machine falls on every assignment. The tables give each assignment's median over rounds of its
-run's median training-step time, bytes per training epoch, the planner's pick in each round and
+run's median training step after its first (the first holds every kernel trial, which a long run
+amortises), bytes per training epoch, the planner's pick in each round and
 its regret (the auto runs' median over the best fixed assignment's), the planning time, and per P
 the modelled vs measured time of every candidate of every layer (``tessera plan --measure-all``).
 ``--full-epochs N`` adds one auto run of N epochs per P (fresh plan cache) and reports its
@@ -79,7 +80,8 @@ def report(args, runs: dict, plans: dict, full: dict) -> str:
     lines = [
         f"`{args.dataset}`, {args.model}, {args.layers} layers, hidden {args.hidden}; {args.epochs} epochs per run, "
         f"{args.rounds} interleaved round(s); {os.cpu_count()} cores (load average at start {args.load_start:.1f}, "
-        f"at end {os.getloadavg()[0]:.1f}); median step = median over rounds of each run's median training step",
+        f"at end {os.getloadavg()[0]:.1f}); median step = median over rounds of each run's median training step "
+        "after its first",
         "",
         "| P | assignment | median step ms | per round ms | MB per training epoch |",
         "|---:|---|---:|---|---:|",
@@ -90,7 +92,7 @@ def report(args, runs: dict, plans: dict, full: dict) -> str:
         "|---:|---|---:|---|---:|---:|---|",
     ]
     for procs in args.procs:
-        steps = {a: [r["epoch_time_median_s"] for r in rs] for (p, a), rs in runs.items() if p == procs}
+        steps = {a: [r["steady_median_s"] for r in rs] for (p, a), rs in runs.items() if p == procs}
         for a, ts in steps.items():
             rs = runs[(procs, a)]
             name = a if a != "auto" else "auto"
@@ -151,14 +153,19 @@ def report(args, runs: dict, plans: dict, full: dict) -> str:
 
 def run_fresh(args: argparse.Namespace, strategy: str, procs: int, out: Path, tmp: Path) -> dict:
     """One run on its own empty cache but for the partitions: ``auto`` plans afresh, and every
-    run, fixed or planned, makes its own kernel decisions."""
+    run, fixed or planned, makes its own kernel decisions; ``steady_median_s`` is its median step
+    after the first."""
     cache = fresh_plan_cache(Path(tempfile.mkdtemp(dir=tmp)))
     real = os.environ.get("TESSERA_CACHE")
     os.environ["TESSERA_CACHE"] = str(cache)
     try:
-        return run_once(args, strategy, procs, out)
+        res = run_once(args, strategy, procs, out)
     finally:
         os.environ.pop("TESSERA_CACHE") if real is None else os.environ.update(TESSERA_CACHE=real)
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [e["epoch_time_s"] for e in epochs if "epoch_time_s" in e]
+    res["steady_median_s"] = statistics.median(steps[1:] or steps)
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = Path(tmp) / f"{rnd}-{procs}-{a.replace(',', '+').replace(':', '-')}"
                     res = run_fresh(args, a, procs, out, Path(tmp))
                     runs.setdefault((procs, a), []).append(res)
-                    print(f"round {rnd} P={procs} {a}: {res['epoch_time_median_s'] * 1e3:.0f} ms", file=sys.stderr)
+                    print(f"round {rnd} P={procs} {a}: {res['steady_median_s'] * 1e3:.0f} ms", file=sys.stderr)
         for procs in args.procs:
             if args.full_epochs:
                 full_args = argparse.Namespace(**{**vars(args), "epochs": args.full_epochs})

@@ -39,7 +39,7 @@ from tessera.planner.calibrate import Rates, calibrate
 from tessera.planner.candidates import Context, layer_candidates, prune
 from tessera.sparse import LayerSpec, Operand
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 PRUNE_FACTOR = 1.5
 STEPS = 1  # timed steps per measured candidate, after an untimed one
 MAX_MEASURED = 2  # candidates measured per layer (every one with --measure-all)
