@@ -93,6 +93,8 @@ def report(args, runs: dict, plans: dict, full: dict) -> str:
     ]
     for procs in args.procs:
         steps = {a: [r["steady_median_s"] for r in rs] for (p, a), rs in runs.items() if p == procs}
+        if not steps:  # --rounds 0: the full runs and the candidate tables only
+            continue
         for a, ts in steps.items():
             rs = runs[(procs, a)]
             name = a if a != "auto" else "auto"
@@ -171,7 +173,7 @@ def run_fresh(args: argparse.Namespace, strategy: str, procs: int, out: Path, tm
 def main(argv: list[str] | None = None) -> int:
     """Run every assignment and auto at each P, ``--rounds`` times; print (and optionally write) the tables."""
     p = run_parser(__doc__, epochs=5)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="0: only --full-epochs and the candidate tables")
     p.add_argument("--full-epochs", type=int, default=0, help="one auto run of this many epochs per P (0: none)")
     p.add_argument("--no-measure-all", action="store_true", help="skip the modelled vs measured table")
     args = p.parse_args(argv)
