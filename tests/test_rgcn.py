@@ -73,7 +73,8 @@ def test_variants_equal_the_per_relation_reference(graph, reduce):
     x, w = torch.randn(g.num_nodes, 7), torch.randn(R, 7, 9)  # float32: the operand's 1 / |N_r(i)| are float32
     want = relational_aggregate_reference(ei, et, x.double(), w.double(), reduce, g.num_nodes).float()
     assert want[g.num_nodes - 3 :].abs().max() == 0  # isolated vertices receive nothing
-    for v in VARIANTS:
+    custom = ("gtask:uniq(Dst.ID)=2 & uniq(Edge.Type)=1", "gtask:uniq(Src.ID)=min", "gtask:edge-num=3")
+    for v in (*VARIANTS, *custom):  # the gtask variant on plans of other restrictions too
         torch.testing.assert_close(relational_aggregate(as_operand(g), x, w, reduce, v), want, msg=v)
 
 
@@ -169,6 +170,13 @@ def test_cli_refuses_rgcn_on_untyped_graph_and_bad_edge_types(capsys, tmp_path):
         capsys, ["train", "--dataset", "synthetic:small-rel", "--num-bases", "2", "--out", str(tmp_path / "c")]
     )
     assert "RGCN options" in msg
+    rgcn = ["train", "--dataset", "synthetic:small-rel", "--model", "rgcn", "--out", str(tmp_path / "d")]
+    msg = one_line(capsys, [*rgcn, "--rgcn-variant", "gtask:uniq(Dst.ID)=8 &"])
+    assert "bad gTask restriction" in msg and "column 17" in msg
+    assert "unknown RGCN variant 'fast'" in one_line(capsys, [*rgcn, "--rgcn-variant", "fast"])
+    gcn = ["train", "--dataset", "synthetic:small-rel", "--rgcn-variant", "gtask", "--out", str(tmp_path / "e")]
+    assert "RGCN options" in one_line(capsys, gcn)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "e" / "checkpoint.pt").exists()
 
 
 def test_rgcn_beats_gcn_on_typed_synthetic_graph(tmp_path):

@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--heads", type=int, help="GAT attention heads (default 8)")
     t.add_argument("--num-bases", type=int, help="RGCN basis decomposition: bases shared by the relations")
     t.add_argument("--num-blocks", type=int, help="RGCN block-diagonal decomposition: blocks per relation weight")
+    t.add_argument(
+        "--rgcn-variant",
+        help="RGCN relational sum: auto | transform_first | unique_source | aggregate_first | edge_wise | gtask | "
+        "gtask:RESTRICTIONS, e.g. 'gtask:uniq(Dst.ID)=8 & uniq(Edge.Type)=1' (default auto: modelled, then measured)",
+    )
     t.add_argument("--lr", type=float, help="Adam learning rate (default 0.01)")
     t.add_argument("--weight-decay", type=float, help="Adam weight decay (default 5e-4)")
     t.add_argument("--epochs", type=int, help="maximum epochs (default 200)")

@@ -150,8 +150,9 @@ def _rgcn(a: int, b: int, last: bool, o: dict) -> GraphConv:
             "PyG data with edge_type, or synthetic:<preset>-rel"
         )
     return RGCNConv(
-        a, b, o["num_relations"], num_bases=o["num_bases"], num_blocks=o["num_blocks"], backend=o["backend"]
-    )
+        a, b, o["num_relations"], num_bases=o["num_bases"], num_blocks=o["num_blocks"], backend=o["backend"],
+        variant=o["rgcn_variant"],
+    )  # fmt: skip
 
 
 # name -> (builder of layer i from (in width, out width, is last, options), activation between layers)
@@ -185,6 +186,7 @@ def build_model(
     num_relations: int = 0,
     num_bases: int | None = None,
     num_blocks: int | None = None,
+    rgcn_variant: str = "auto",
 ) -> GNN:
     """A ``num_layers``-deep GCN, SAGE, SAGE-LSTM, GIN, GAT or RGCN mapping ``in_dim`` features to ``out_dim`` logits.
 
@@ -192,7 +194,8 @@ def build_model(
     output layer has one head; ``attn_dropout`` defaults to ``dropout``. ``norm="layer"`` puts a
     LayerNorm before each layer; ``label_classes > 0`` adds a label embedding for label propagation;
     ``s_spmm=True`` uses masked aggregation (S-SpMM) where dropout and ReLU masks allow it.
-    RGCN needs the graph's ``num_relations`` and takes ``num_bases`` or ``num_blocks``."""
+    RGCN needs the graph's ``num_relations`` and takes ``num_bases`` or ``num_blocks`` and the
+    ``rgcn_variant`` of its relational sum (:class:`~tessera.nn.conv.rgcn.RGCNConv`'s ``variant``)."""
     name = name.lower()
     if name not in REGISTRY:
         raise ConfigError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
@@ -211,6 +214,7 @@ def build_model(
         "num_relations": num_relations,
         "num_bases": num_bases,
         "num_blocks": num_blocks,
+        "rgcn_variant": rgcn_variant,
     }
     convs = [build(a, b, i == num_layers - 1, options) for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))]
     if norm not in ("none", "layer"):

@@ -23,12 +23,35 @@ from tessera.graph.relations import (
     source_pairs,
 )
 from tessera.memo import PlanCache
-from tessera.sparse.gtask import GTaskPlan, build_plan
+from tessera.sparse.gtask import GTaskPlan, build_plan, parse_restrictions
 
 VARIANTS = ("transform_first", "unique_source", "aggregate_first", "edge_wise", "gtask")
 # The gTask plan of the ``gtask`` variant (WiseGraph §4): one relation per gTask and at most 64
 # distinct sources, so each gTask is one dense product of its unique sources' rows
 GTASK_RESTRICTIONS = "uniq(Src.ID)=64 & uniq(Edge.Type)=1"
+
+
+def split_variant(variant: str) -> tuple[str, str]:
+    """``(name, gTask restrictions)`` of a variant string: ``auto``, one of :data:`VARIANTS`, or
+    ``gtask:RESTRICTIONS`` (the ``gtask`` variant on the plan those restrictions cut, e.g.
+    ``gtask:uniq(Dst.ID)=8 & uniq(Edge.Type)=1``); the restrictions are
+    :data:`GTASK_RESTRICTIONS` unless given. A ConfigError says what is wrong in one line."""
+    name, sep, restrictions = variant.partition(":")
+    name = name.strip()
+    if name != "auto" and name not in VARIANTS or (sep and name != "gtask"):
+        raise ConfigError(
+            f"unknown RGCN variant {variant!r}; choose auto, one of {', '.join(VARIANTS)}, "
+            f"or gtask:RESTRICTIONS (e.g. gtask:{GTASK_RESTRICTIONS})"
+        )
+    if not sep:
+        return name, GTASK_RESTRICTIONS
+    try:
+        parse_restrictions(restrictions)
+    except ConfigError as e:
+        raise ConfigError(f"RGCN variant {variant!r}: {e}") from None
+    return name, restrictions.strip()
+
+
 # The cost model's machine: fp32 GEMM FLOP/s per thread and memory bytes/s (2-core AMD EPYC with
 # AVX-512 as in benchmarks/RESULTS.md; absolute values matter less than their ratio).
 GEMM_FLOPS_PER_THREAD = 60e9
@@ -108,20 +131,20 @@ class Relations:
         """The edges sorted by relation."""
         return self._plan(("edges", reduce), lambda: edges_by_relation(self.matrix, reduce))
 
-    def gtasks(self, reduce: str) -> tuple[GTaskPlan, torch.Tensor | None]:
-        """The typed edges cut into gTasks by :data:`GTASK_RESTRICTIONS`, and the per-edge factors
-        of ``reduce`` in CSR order (``mean``: ``1 / |N_r(i)|``; ``sum``: None)."""
+    def gtasks(self, reduce: str, restrictions: str = GTASK_RESTRICTIONS) -> tuple[GTaskPlan, torch.Tensor | None]:
+        """The typed edges cut into gTasks by ``restrictions``, and the per-edge factors of
+        ``reduce`` in CSR order (``mean``: ``1 / |N_r(i)|``; ``sum``: None)."""
 
         def make() -> tuple[GTaskPlan, torch.Tensor | None]:
             m = self.matrix
             src = m.indices.numpy().astype(np.int64)
             dst = np.repeat(np.arange(m.num_rows, dtype=np.int64), np.diff(m.indptr.numpy()))
             etype = m.edge_type.numpy().astype(np.int64)
-            plan = build_plan((src, dst, etype, max(m.num_rows, m.num_cols)), GTASK_RESTRICTIONS)
+            plan = build_plan((src, dst, etype, max(m.num_rows, m.num_cols)), restrictions)
             norm = edge_norm(m, reduce)
             return plan, None if norm is None else torch.from_numpy(norm)
 
-        return self._plan(("gtask", reduce), make)
+        return self._plan(("gtask", reduce, restrictions), make)
 
     def choose(self, x: torch.Tensor, weight: torch.Tensor, reduce: str) -> str:
         """The variant ``auto`` runs for this input."""
@@ -147,7 +170,7 @@ def variant_cost(stats: RelationStats, fi: int, fo: int, variant: str) -> tuple[
     elif variant == "edge_wise":
         rows, gathered, extra = e, e * fi + e * fo, e * (fi + fo)
     else:
-        raise ConfigError(f"unknown RGCN variant {variant!r}; choose auto or one of {', '.join(VARIANTS)}")
+        raise ConfigError(f"unknown RGCN variant {variant!r}; choose one of {', '.join(VARIANTS)}")
     flops = 3 * 2.0 * rows * fi * fo
     nbytes = 3 * (4.0 * (gathered + extra + n * fo) + 8.0 * e)
     return flops, nbytes

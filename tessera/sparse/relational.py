@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from tessera.errors import ConfigError
 from tessera.sparse.aggregate import aggregate, check_reduce
 from tessera.sparse.block_matmul import block_matmul, segment_blocks
 from tessera.sparse.gtask_kernels import typed_message_sum
 from tessera.sparse.operand import Operand
-from tessera.sparse.relation_plan import VARIANTS, Relations
+from tessera.sparse.relation_plan import GTASK_RESTRICTIONS, Relations, split_variant
 
 
 # ---------------------------------------------------------------------------------------- segment GEMM
@@ -77,8 +76,8 @@ def _edge_wise(rel: Relations, x, weight, reduce):
     return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, e.dst, m)
 
 
-def _gtask(rel: Relations, x, weight, reduce):
-    plan, norm = rel.gtasks(reduce)
+def _gtask(rel: Relations, x, weight, reduce, restrictions=GTASK_RESTRICTIONS):
+    plan, norm = rel.gtasks(reduce, restrictions)
     return typed_message_sum(x, weight, plan, edge_weight=norm)
 
 
@@ -92,8 +91,11 @@ _RUN = {
 
 
 def run_variant(rel: Relations, variant: str, x: torch.Tensor, weight: torch.Tensor, reduce: str) -> torch.Tensor:
-    """``sum_r A_r x W_r`` by ``variant`` (one of :data:`VARIANTS`)."""
-    return _RUN[variant](rel, x, weight, reduce)
+    """``sum_r A_r x W_r`` by ``variant`` (one of :data:`VARIANTS`, or ``gtask:RESTRICTIONS``)."""
+    name, restrictions = split_variant(variant)
+    if name == "gtask":
+        return _gtask(rel, x, weight, reduce, restrictions)
+    return _RUN[name](rel, x, weight, reduce)
 
 
 def relational_aggregate(
@@ -101,7 +103,9 @@ def relational_aggregate(
 ) -> torch.Tensor:
     """``out[i] = sum_r reduce_{j in N_r(i)} x[j] @ weight[r]`` over ``operand``'s typed edges
     (``mean``: divided by ``|N_r(i)|``, PyG ``RGCNConv``'s per-relation mean); ``weight`` is
-    ``(R, fi, fo)``. ``variant`` is one of :data:`VARIANTS`, or ``auto`` (the operand chooses)."""
+    ``(R, fi, fo)``. ``variant`` is one of :data:`VARIANTS`, ``gtask:RESTRICTIONS`` (the gTask
+    plan those restrictions cut), or ``auto`` (the operand chooses; its ``gtask`` is
+    :data:`~tessera.sparse.relation_plan.GTASK_RESTRICTIONS`)."""
     check_reduce(reduce)
     rel = operand.relations()
     if weight.dim() != 3 or weight.shape[0] != rel.num_relations or x.shape[1] != weight.shape[1]:
@@ -110,10 +114,8 @@ def relational_aggregate(
         )
     if x.shape[0] != operand.num_cols:
         raise ValueError(f"x has {x.shape[0]} rows but the operand has {operand.num_cols} source vertices")
-    if variant == "auto":
+    if split_variant(variant)[0] == "auto":
         variant = rel.choose(x, weight, reduce)
-    elif variant not in VARIANTS:
-        raise ConfigError(f"unknown RGCN variant {variant!r}; choose auto or one of {', '.join(VARIANTS)}")
     return run_variant(rel, variant, x, weight, reduce)
 
 

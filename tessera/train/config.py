@@ -12,6 +12,7 @@ from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.parallel.mixed import parse_strategy
+from tessera.sparse.relation_plan import split_variant
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,6 +60,7 @@ class TrainConfig:
     s_spmm: bool = False
     num_bases: int | None = None
     num_blocks: int | None = None
+    rgcn_variant: str = "auto"
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for mistyped or out-of-range values; returns self."""
@@ -103,6 +105,7 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        split_variant(self.rgcn_variant)  # a gTask restriction that does not parse fails here
         parse_strategy(self.strategy, self.layers)  # auto, one entry, or one per layer
         if self.strategy == "hybrid" and self.nprocs > 1:
             from tessera.parallel.hybrid import check_groups

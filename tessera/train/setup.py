@@ -66,8 +66,8 @@ def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
 def _relations(cfg: TrainConfig, source: Graph | dict[str, Any]) -> int:
     """The relation count an RGCN model is built for (0 for other models)."""
     if cfg.model.lower() != "rgcn":
-        if cfg.num_bases is not None or cfg.num_blocks is not None:
-            raise ConfigError(f"--num-bases and --num-blocks are RGCN options; --model is {cfg.model}")
+        if cfg.num_bases is not None or cfg.num_blocks is not None or cfg.rgcn_variant != "auto":
+            raise ConfigError(f"--num-bases, --num-blocks and --rgcn-variant are RGCN options; --model is {cfg.model}")
         return 0
     if isinstance(source, Graph):
         name, relations = source.name, source.num_relations
@@ -147,6 +147,7 @@ def prepare(
         num_relations=relations,
         num_bases=cfg.num_bases,
         num_blocks=cfg.num_blocks,
+        rgcn_variant=cfg.rgcn_variant,
     )
     options = StrategyOptions(
         cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages, cfg.groups

@@ -10,6 +10,7 @@ from tessera.errors import ConfigError
 from tessera.nn.conv._util import glorot_
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
+from tessera.sparse.relation_plan import split_variant
 from tessera.sparse.relational import relational_sum
 
 
@@ -22,7 +23,8 @@ class RGCNConv(GraphConv):
     (``weight``: ``(R, in, out)``, ``(B, in, out)`` with bases, ``(R, blocks, in/blocks,
     out/blocks)`` with blocks; ``comp``; ``root``: ``(in, out)``; ``bias``), so a PyG state dict
     loads as is. ``variant`` picks how the relational sum is computed
-    (:mod:`tessera.sparse.relational`; ``auto``: by the operand's cost model and measurement).
+    (:mod:`tessera.sparse.relational`; ``auto``: by the operand's cost model and measurement;
+    ``gtask:RESTRICTIONS``: the gTask variant on the plan those restrictions cut).
     The operation placement (:meth:`place`) decides what a partitioned rank receives for its
     remote sources (:meth:`describe`); None leaves it to the strategy."""
 
@@ -55,6 +57,7 @@ class RGCNConv(GraphConv):
         self.in_channels, self.out_channels, self.num_relations = in_channels, out_channels, num_relations
         self.num_bases, self.num_blocks = num_bases, num_blocks
         self.aggr = "sum" if aggr == "add" else aggr
+        split_variant(variant)  # a bad variant or gTask restriction fails here, in one line
         self.backend, self.variant = backend, variant
         if num_bases is not None:
             self.weight = nn.Parameter(torch.empty(num_bases, in_channels, out_channels))
