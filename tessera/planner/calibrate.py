@@ -27,7 +27,9 @@ from tessera.graph.csr import CSRMatrix
 from tessera.planner.model import DEFAULT_QUANT_GBPS, CommModel
 
 _WIDTHS = (8, 64)
-_REPS = 2  # least of 2 after a warm-up: the model is within 2x of the measured steps; 3 cost 1/4 more
+# least of 2 after a warm-up: a third repeat cost 0.4-0.6 s of calibration's 3.7 s on arxiv at P = 4,
+# where planning must stay under 10 % of a 100-epoch run
+_REPS = 2
 
 
 @dataclass(frozen=True)

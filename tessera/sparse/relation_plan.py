@@ -38,7 +38,7 @@ def split_variant(variant: str) -> tuple[str, str]:
     :data:`GTASK_RESTRICTIONS` unless given. A ConfigError says what is wrong in one line."""
     name, sep, restrictions = variant.partition(":")
     name = name.strip()
-    if name != "auto" and name not in VARIANTS or (sep and name != "gtask"):
+    if (name != "auto" and name not in VARIANTS) or (sep and name != "gtask"):
         raise ConfigError(
             f"unknown RGCN variant {variant!r}; choose auto, one of {', '.join(VARIANTS)}, "
             f"or gtask:RESTRICTIONS (e.g. gtask:{GTASK_RESTRICTIONS})"
