@@ -86,16 +86,16 @@ class _Simulated:
 
     def __init__(self, ctx: Context, vol: dict[str, Any]) -> None:
         self.ctx, self.vol, self.world, self.link = ctx, vol, int(vol["parts"]), ctx.rates.comm()
-        self._halo: dict[int, dict[str, np.ndarray]] = {}
-        self._memo: dict[tuple, float] = {}
+        self._memo: dict[tuple, Any] = {}
 
     def halo_rows(self, groups: int, mode: str) -> np.ndarray:
         """Rows G-part ``g`` sends G-part ``h`` per halo exchange of hybrid(``groups``) in ``mode``."""
-        if groups not in self._halo:
-            self._halo[groups] = group_halo_rows(self.ctx.graph, self.vol["_part"], self.world, groups)
-        return self._halo[groups][mode]
+        every_mode = self.memo(
+            ("halo", groups), lambda: group_halo_rows(self.ctx.graph, self.vol["_part"], self.world, groups)
+        )
+        return every_mode[mode]
 
-    def memo(self, key: tuple, make: Callable[[], float]) -> float:
+    def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per ``key``."""
         if key not in self._memo:
             self._memo[key] = make()

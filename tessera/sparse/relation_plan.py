@@ -37,7 +37,6 @@ def split_variant(variant: str) -> tuple[str, str]:
     ``gtask:uniq(Dst.ID)=8 & uniq(Edge.Type)=1``); the restrictions are
     :data:`GTASK_RESTRICTIONS` unless given. A ConfigError says what is wrong in one line."""
     name, sep, restrictions = variant.partition(":")
-    name = name.strip()
     if (name != "auto" and name not in VARIANTS) or (sep and name != "gtask"):
         raise ConfigError(
             f"unknown RGCN variant {variant!r}; choose auto, one of {', '.join(VARIANTS)}, "

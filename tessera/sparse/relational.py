@@ -114,7 +114,7 @@ def relational_aggregate(
         )
     if x.shape[0] != operand.num_cols:
         raise ValueError(f"x has {x.shape[0]} rows but the operand has {operand.num_cols} source vertices")
-    if split_variant(variant)[0] == "auto":
+    if variant == "auto":
         variant = rel.choose(x, weight, reduce)
     return run_variant(rel, variant, x, weight, reduce)
 
