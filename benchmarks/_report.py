@@ -197,6 +197,51 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> str:
     return f"{a['time_ms'] / b['time_ms']:.2f}×"
 
 
+def headline_table(
+    graph_key: str,
+    models: list[str],
+    frameworks: list[str],
+    grouped: dict[tuple[str, str, str, str], dict[str, Any]],
+    cap_gib: float,
+    timeout_s: float,
+) -> list[str]:
+    """What a user gets: tessera in the default environment (no ``LD_PRELOAD``, no ``MALLOC_CONF``)
+    against every peer's best allocator, time and peak RSS, with both ratios."""
+    peers = [f for f in frameworks if f != "tessera" and not f.startswith(TREE_PREFIX)]
+    head = ["model", "tessera default ms", "RSS MiB"]
+    for f in peers:
+        head += [f"{label(f)} best ms (allocator)", "RSS MiB", "time ratio", "RSS ratio"]
+    lines = [
+        "tessera in the **default environment** against each peer's **best allocator**: median training-step ms "
+        "and peak RSS of the same runs; ratios are tessera ÷ peer (< 1: tessera faster or smaller).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|",
+    ]
+    for m in models:
+        ours = _ok(grouped.get((graph_key, m, "tessera", "default")))
+        row = [m]
+        row += [fmt_ms(ours["time_ms"]), f"{ours['peak_rss_mib']:.0f}"] if ours else [
+            status_text(grouped.get((graph_key, m, "tessera", "default")), cap_gib, timeout_s), "—"
+        ]  # fmt: skip
+        for f in peers:
+            cells = {k[3]: r for k, r in grouped.items() if k[:3] == (graph_key, m, f)}
+            best = best_of(cells)
+            if best is None:
+                failed = " / ".join(dict.fromkeys(status_text(r, cap_gib, timeout_s) for r in cells.values())) or "—"
+                row += [failed, "—", "—", "—"]
+                continue
+            rss = "—" if ours is None else f"{ours['peak_rss_mib'] / best['peak_rss_mib']:.2f}×"
+            row += [
+                f"{fmt_ms(best['time_ms'])} ({best['allocator']})",
+                f"{best['peak_rss_mib']:.0f}",
+                ratio(ours, best),
+                rss,
+            ]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def graph_table(
     graph_key: str,
     models: list[str],

@@ -7,9 +7,12 @@ and a timeout, on the identical graph (generated once by tessera, handed to ever
 with lr 0.01 and weight decay 5e-4; dropout 0.5) and reports the per-epoch times and its peak
 RSS. Frameworks run interleaved per model and repeat, so machine noise hits all of them alike.
 
-Each framework runs under glibc's malloc (``default``) and jemalloc with decay disabled
-(``jemalloc``, via ``LD_PRELOAD``; marked n/a where libjemalloc is not installed); the table
-compares each framework's better allocator and lists both.
+Each framework runs under the process's default allocator (``default``: glibc's malloc, what a
+user of the README's commands gets) and jemalloc with decay disabled (``jemalloc``, via
+``LD_PRELOAD``; marked n/a where libjemalloc is not installed; ``TESSERA_JEMALLOC`` names a
+library elsewhere). Each graph's first table is the headline: tessera in the default
+environment against each peer's best allocator, time and peak RSS; the second compares each
+framework's better allocator and lists both.
 
 ``--tessera-tree LABEL=PATH`` (repeatable) adds a column ``tessera@LABEL``: another tessera source
 tree (e.g. the previous commit as a git worktree), run interleaved with the others by that tree's
@@ -49,6 +52,7 @@ from _report import (
     git_state,
     graph_table,
     group,
+    headline_table,
     label,
     probe_python,
     tree_table,
@@ -578,6 +582,8 @@ def render(
             f"{meta['num_features']} features, {meta['num_classes']} classes, {meta['num_train']:,} train",
             "",
         ]
+        if "tessera" in frameworks and "default" in a.allocators and len(frameworks) > 1:
+            lines += headline_table(gname, a.models, frameworks, grouped, a.mem_cap_gb, a.timeout) + [""]
         lines += graph_table(gname, a.models, frameworks, a.allocators, grouped, a.mem_cap_gb, a.timeout)
     if any(f.startswith(TREE_PREFIX) for f in frameworks):
         lines += ["", "## tessera trees: every repeat", ""]

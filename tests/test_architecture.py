@@ -18,6 +18,7 @@ LAYER_OF_TOP = {
     "files": "base",
     "memo": "base",
     "threads": "base",
+    "workspace": "base",
     "datasets": "graph",  # loaders by name: a graph-layer module kept at the top for `tessera.datasets.load`
 }
 # Graph layers receive their operand and speak only in primitives.

@@ -23,8 +23,9 @@ kernel accumulating ``out[i, f] +=`` per edge, which takes about 3x MKL's time):
   the gathered rows stay in cache (width 256: 0-8 % faster than one pass, 512: 19 %);
 * explicit 2-D indexing ``x[j, f]`` with indices numba can prove non-negative: with ``f0 + f``
   signed, numba's wrap-around selects turned the feature loop into gathers;
-* outputs backed by transparent huge pages (:func:`new_output`): first-touching a fresh 87 MB
-  output in 4 KiB pages cost 17 ms, in 2 MiB pages 4.7 ms.
+* outputs from the workspace (:func:`new_output`), blocks kept between steps on transparent huge
+  pages: first-touching a fresh 87 MB output in 4 KiB pages cost 17 ms, in 2 MiB pages 4.7 ms,
+  and a kept block costs nothing.
 
 Tried without gain: accumulating straight into ``out`` instead of a local buffer (not faster;
 unvectorised unless the feature loop is ``range(F)``), non-temporal stores of the output rows
@@ -38,7 +39,6 @@ paths (which one runs depends on the thread count) give bitwise-identical rows.
 from __future__ import annotations
 
 import hashlib
-import sys
 import weakref
 
 import numba
@@ -49,6 +49,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from tessera import workspace
 from tessera.backends.base import Backend
 from tessera.graph.csr import CSRStructure
 from tessera.sparse.sparsity import sparse_rows
@@ -438,41 +439,10 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy()
 
 
-_HUGE = 1 << 21
-_MADV_HUGEPAGE = 14
-_libc: list = []
-
-
-def _advise_huge(t: torch.Tensor) -> None:
-    """Ask Linux for transparent huge pages behind ``t``'s (2 MiB-aligned interior) memory.
-
-    A fresh output of an arxiv-sized product is tens of MiB that glibc maps anew on every call;
-    first-touching it in 4 KiB pages cost 17 ms per 87 MB here, in 2 MiB pages 4.7 ms (measured
-    with ``transparent_hugepage`` set to ``madvise``, the common default). Best effort: any
-    failure leaves the memory as it was."""
-    try:
-        if not _libc:
-            import ctypes
-            import ctypes.util
-
-            _libc.append(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True))
-            _libc.append(ctypes)
-        libc, ctypes = _libc
-        p = t.data_ptr()
-        a = (p + _HUGE - 1) & ~(_HUGE - 1)
-        b = (p + t.numel() * t.element_size()) & ~(_HUGE - 1)
-        if b > a:
-            libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_HUGEPAGE)
-    except (OSError, AttributeError, TypeError):
-        _libc[:] = [None, None]
-
-
 def new_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape)``, backed by huge pages where it is large (see :func:`_advise_huge`)."""
-    out = torch.empty(shape, dtype=dtype)
-    if out.numel() * out.element_size() >= 4 * _HUGE and sys.platform.startswith("linux") and _libc[:1] != [None]:
-        _advise_huge(out)
-    return out
+    """An uninitialised output from the process's :mod:`~tessera.workspace` (a large one is a
+    warm block on huge pages once the first step has run)."""
+    return workspace.empty(shape, dtype)
 
 
 # ---------------------------------------------------------------------------------- live rows
@@ -593,7 +563,9 @@ class CSRBackend(Backend):
         (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
         callers change them through ``.data``, which the version counter does not see."""
         if weight.requires_grad:
-            return weight.detach().index_select(0, graph.transpose().perm.long())
+            perm = graph.transpose().perm.long()
+            out = workspace.empty((perm.numel(), *weight.shape[1:]), weight.dtype)
+            return torch.index_select(weight.detach(), 0, perm, out=out)
         memo = self.plans.get(graph, "transposed_weight", dict)
         hit = memo.get(weight.dtype)
         if hit is not None and hit[0]() is weight and hit[1] == weight._version:
@@ -697,7 +669,7 @@ class CSRBackend(Backend):
         squeeze = g.dim() == 2
         g3 = g.unsqueeze(1) if squeeze else g
         x3 = x.unsqueeze(1) if squeeze else x
-        out = torch.empty(graph.num_edges, g3.shape[1], dtype=g.dtype)
+        out = workspace.empty((graph.num_edges, g3.shape[1]), g.dtype)
         if graph.num_edges == 0 or g3.shape[1] == 0:
             return out.zero_().squeeze(1) if squeeze else out.zero_()
         items = self._items(graph, False, 1)

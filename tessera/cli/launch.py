@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tessera.errors import DistributedError
 
@@ -31,10 +33,30 @@ _LOG_TAIL = 20  # lines of a failed non-zero rank's stderr shown above the error
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+    """A TCP port on 127.0.0.1 that is free right now, picked below the kernel's ephemeral range:
+    a port from that range (what binding port 0 gives) can be handed to one of the many outgoing
+    connections gloo opens between this check and the store binding it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _describe(code: int) -> str:

@@ -38,6 +38,7 @@ class GNN(nn.Module):
         # every cache line of a gathered row stays live, so on CPU it measured slower (arxiv,
         # jemalloc: 3-layer GCN step 836 vs 599 ms, GIN 810 vs 792 ms; benchmarks/RESULTS.md).
         self.s_spmm = s_spmm
+        self.activation = activation
         self.act = F.elu if activation == "elu" else F.relu
         in_dim = convs[0].describe().in_width
         self.label_emb = nn.Embedding(label_classes, in_dim) if label_classes else None
@@ -88,29 +89,43 @@ class GNN(nn.Module):
         fuse = self.s_spmm and self.training and 0.0 < self.dropout < 1.0 and self.norms is None
         keep = None
         last = len(self.convs) - 1
+        # Without norms the activation and the next layer's dropout run as one pass
+        # (sparse.act_dropout: the same draw at the same point, the same values).
+        fused_next = self.norms is None and not fuse
+        dropped = False
         for i, conv in enumerate(self.convs):
             if self.norms is not None:
                 x = self.norms[i](x)
-            x = (
-                sparse.dropout(x, self.dropout, self.training, rows)
-                if keep is None
-                else dropout_with_mask(x, keep, self.dropout)
-            )
+            if not dropped:
+                x = (
+                    sparse.dropout(x, self.dropout, self.training, rows)
+                    if keep is None
+                    else dropout_with_mask(x, keep, self.dropout)
+                )
             uses_in, uses_out = conv.s_spmm_sides() if fuse else (False, False)
             grad_mask = x != 0 if uses_in and i > 0 and self.act is F.relu and x.requires_grad else None
             keep = None
             if uses_out and i < last:
                 keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout, rows)
             x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0))
-            if i < last:
+            dropped = fused_next and i < last
+            if dropped:
+                x = sparse.act_dropout(x, self.activation, self.dropout, self.training, rows)
+            elif i < last:
                 x = self.act(x)
         return x
 
 
+class ReLU(nn.Module):
+    """``torch.nn.ReLU`` whose output and gradient are workspace blocks (:func:`tessera.sparse.act_dropout`
+    without dropout): no page faults for a large activation, no in-place hazards."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sparse.act_dropout(x, "relu", 0.0)
+
+
 def _gin_mlp(i: int, o: int, hidden: int) -> nn.Module:
-    return nn.Sequential(
-        Linear(i, hidden), nn.ReLU(inplace=True), Linear(hidden, o)
-    )  # in place: Linear saves only its input
+    return nn.Sequential(Linear(i, hidden), ReLU(), Linear(hidden, o))
 
 
 def _gcn(a: int, b: int, last: bool, o: dict) -> GraphConv:

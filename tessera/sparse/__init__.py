@@ -1,10 +1,11 @@
 """The primitives layers are written in: aggregate (and its masked S-SpMM forms), edge scores,
-edge softmax and fused GAT attention, LSTM neighbourhood aggregation, dropout and linear, all over an :class:`Operand`."""
+edge softmax and fused GAT attention, LSTM neighbourhood aggregation, dropout (alone or fused
+with an activation) and linear, all over an :class:`Operand`."""
 
 from tessera.sparse.aggregate import aggregate, inv_in_degree
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
-from tessera.sparse.dropout import dropout
+from tessera.sparse.dropout import act_dropout, dropout
 from tessera.sparse.linear import linear
 from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
 from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
@@ -16,6 +17,7 @@ __all__ = [
     "LayerSpec",
     "Operand",
     "SequencePlan",
+    "act_dropout",
     "aggregate",
     "as_operand",
     "dropout",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera import workspace
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
 from tessera.memo import PlanCache
@@ -42,18 +43,26 @@ def keep_of(mask: torch.Tensor) -> torch.Tensor:
 
 
 class AggregateFn(torch.autograd.Function):
-    """``(diag(row_scale) A x) ⊙ out_mask`` with autograd, ``A`` the operand's values or ``weight``.
+    """``(diag(row_scale) A x) ⊙ out_mask + self_weight x`` with autograd, ``A`` the operand's
+    values or ``weight``.
 
     ``out_mask`` (S-SpMM) computes only the outputs it keeps; ``grad_mask`` computes only the
-    entries of ``x``'s gradient it keeps. Either may be None."""
+    entries of ``x``'s gradient it keeps. Either may be None. ``self_weight`` (a float, 0 for
+    none; not with ``out_mask``) is added in place in both directions: GIN's root term then
+    costs no N x F tensor and no gradient sum."""
 
     @staticmethod
-    def forward(ctx, x, weight, a: Operand, row_scale, out_mask, grad_mask):
+    def forward(ctx, x, weight, a: Operand, row_scale, out_mask, grad_mask, self_weight=0.0):
         if out_mask is None:
-            out = scale_rows(a.spmm(x, weight), row_scale)
+            out = a.spmm(x, weight)
+            if row_scale is not None:  # in place on the fresh product
+                out.mul_(row_scale.view(-1, *([1] * (out.dim() - 1))))
         else:
             out = a.masked_spmm(x, out_mask, weight, row_scale, False)
+        if self_weight:
+            out.add_(x, alpha=self_weight)
         ctx.a, ctx.row_scale, ctx.out_mask, ctx.grad_mask = a, row_scale, out_mask, grad_mask
+        ctx.self_weight = self_weight
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)
         return out
 
@@ -61,16 +70,21 @@ class AggregateFn(torch.autograd.Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         a = ctx.a
+        g_out = g
         if ctx.out_mask is not None:
             g = torch.where(keep_of(ctx.out_mask), g, 0.0)
-        g = scale_rows(g, ctx.row_scale)
+        if ctx.row_scale is not None:  # into a kept block: g itself may be read by other nodes
+            s = ctx.row_scale.view(-1, *([1] * (g.dim() - 1)))
+            g = torch.mul(g, s, out=workspace.empty_like(g)) if g.device.type == "cpu" else g * s
         gx = None
         if ctx.needs_input_grad[0] and ctx.grad_mask is not None:
             gx = a.masked_spmm(g, ctx.grad_mask, weight, None, True)
         elif ctx.needs_input_grad[0]:
             gx = a.spmm_t(g, weight)
+        if gx is not None and ctx.self_weight:
+            gx.add_(g_out, alpha=ctx.self_weight)
         gw = a.sddmm_dot(g, x) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
 def aggregate(
@@ -81,6 +95,7 @@ def aggregate(
     backend: str = "auto",
     *,
     grad_mask: torch.Tensor | None = None,
+    self_weight: float = 0.0,
 ) -> torch.Tensor:
     """``out[i] = reduce_{e=(j->i)} v_e * x[j]`` over in-edges; ``x`` is ``(N, F)`` or ``(N, H, F)``.
 
@@ -90,7 +105,10 @@ def aggregate(
 
     ``grad_mask`` (bool, ``x``'s shape) makes the backward an S-SpMM: only the entries of ``x``'s
     gradient that the mask keeps are computed, the rest are zero. Pass it when an element-wise
-    op whose backward zeroes those entries anyway produced ``x`` (ReLU then dropout: ``x != 0``)."""
+    op whose backward zeroes those entries anyway produced ``x`` (ReLU then dropout: ``x != 0``).
+
+    ``self_weight`` adds ``self_weight * x`` (GIN's ``(1 + eps) x``), which needs as many output
+    rows as input rows."""
     check_reduce(reduce)
     a = as_operand(operand, backend)
     if x.shape[0] != a.num_cols:
@@ -103,5 +121,7 @@ def aggregate(
         raise ValueError(
             f"grad_mask must be bool with x's shape {tuple(x.shape)}, got {grad_mask.dtype} {tuple(grad_mask.shape)}"
         )
+    if self_weight and a.num_rows != a.num_cols:
+        raise ValueError(f"self_weight needs as many output rows as input rows, got {a.num_rows} and {a.num_cols}")
     row_scale = inv_in_degree(a, x.dtype) if reduce == "mean" else None
-    return AggregateFn.apply(x, weight, a, row_scale, None, grad_mask)
+    return AggregateFn.apply(x, weight, a, row_scale, None, grad_mask, float(self_weight))

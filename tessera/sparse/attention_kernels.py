@@ -24,6 +24,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 from torch.autograd.function import once_differentiable
 
+from tessera import workspace
 from tessera.graph.csr import CSRStructure, rows_of
 from tessera.memo import PlanCache
 from tessera.sparse.attention import edge_score, edge_softmax
@@ -317,7 +318,7 @@ def gat_attention_forward(
 ) -> torch.Tensor:
     """``alpha`` ``(E, H)`` from contiguous float32/float64 ``(N, H)`` scores, without autograd."""
     sync_numba_threads()
-    out = torch.empty(graph.num_edges, a_src.shape[1], dtype=a_src.dtype)
+    out = workspace.empty((graph.num_edges, a_src.shape[1]), a_src.dtype)
     if graph.num_edges:
         _forward_kernel(
             graph.indptr.numpy(),
@@ -348,7 +349,7 @@ def gat_attention_backward(
     gsrc = torch.empty(a_src.shape, dtype=dtype) if need_src else None
     if not graph.num_edges:
         return (gsrc.zero_() if need_src else None), gdst.zero_()
-    dpre = torch.empty_like(alpha)
+    dpre = workspace.empty_like(alpha)
     _backward_dst_kernel(
         graph.indptr.numpy(),
         graph.indices.numpy(),

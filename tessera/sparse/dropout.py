@@ -17,6 +17,7 @@ import numba
 import numpy as np
 import torch
 
+from tessera import workspace
 from tessera.sparse.hashing import hash32, index_hash
 from tessera.threads import sync_numba_threads
 
@@ -33,12 +34,21 @@ def block_key(seed_lo, seed_hi, start):
     return np.uint32(hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo))
 
 
+# What the kernel writes per element, given its input a, the saved forward output y (backward
+# only) and whether its hash keeps it.
+_DROP = 0  # a * scale if kept else 0
+_MASK = 1  # the keep flag itself
+_RELU_DROP = 2  # relu(a) * scale if kept else 0
+_ELU_DROP = 3  # elu(a) * scale if kept else 0
+_RELU_DROP_GRAD = 4  # a * scale where y > 0, else 0: y is zero where dropped, so no hash needed
+_ELU_DROP_GRAD = 5  # kept: a * scale where y > 0, else a * (y + scale), as elu'(x) = elu(x) + 1 there
+
+
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _hashed(src, out, rows, has_rows, width, masking, seed_lo, seed_hi, threshold, scale):
-    # out = src * scale where an element's hash keeps it, else 0; with ``masking`` the keep flags
-    # themselves (src unused). The flat arrays are taken as rows of ``width`` elements whose
-    # global index starts at rows[r] * width (r * width without row ids; the last row may be
-    # short), hashed in blocks of _BLOCK global indices with one key per block.
+def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, threshold, scale):
+    # out = mode's function of src (and aux) per element. The flat arrays are taken as rows of
+    # ``width`` elements whose global index starts at rows[r] * width (r * width without row ids;
+    # the last row may be short), hashed in blocks of _BLOCK global indices with one key per block.
     n = np.int64(out.size)
     for r in numba.prange((n + width - 1) // width):
         lo = np.int64(r) * width
@@ -51,14 +61,32 @@ def _hashed(src, out, rows, has_rows, width, masking, seed_lo, seed_hi, threshol
             stop = min(hi, c + (start + _BLOCK - g))
             key = block_key(seed_lo, seed_hi, start)
             o = out[c:stop]
-            if masking:
+            # slices with a local index vectorise; indexing by the global index did not
+            if mode == _MASK:
                 for i in range(stop - c):
                     o[i] = _element_hash(g + i, key) >= threshold
-            else:
-                # slices with a local index vectorise; indexing by the global index did not
+            elif mode == _DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
                     o[i] = a[i] * scale if _element_hash(g + i, key) >= threshold else 0.0
+            elif mode == _RELU_DROP:
+                a = src[c:stop]
+                for i in range(stop - c):
+                    o[i] = max(a[i], 0.0) * scale if _element_hash(g + i, key) >= threshold else 0.0
+            elif mode == _ELU_DROP:
+                a = src[c:stop]
+                for i in range(stop - c):
+                    v = a[i] if a[i] > 0.0 else np.expm1(a[i])
+                    o[i] = v * scale if _element_hash(g + i, key) >= threshold else 0.0
+            elif mode == _RELU_DROP_GRAD:
+                a, y = src[c:stop], aux[c:stop]
+                for i in range(stop - c):
+                    o[i] = a[i] * scale if y[i] > 0.0 else 0.0
+            else:
+                a, y = src[c:stop], aux[c:stop]
+                for i in range(stop - c):
+                    d = scale if y[i] > 0.0 else y[i] + scale
+                    o[i] = a[i] * d if _element_hash(g + i, key) >= threshold else 0.0
             c = stop
 
 
@@ -71,9 +99,13 @@ def keep_threshold(p: float) -> np.uint32 | None:
 _NO_ROWS = np.zeros(1, np.int64)
 
 
-def _run(src: torch.Tensor, out: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None, masking: bool) -> None:
-    """Fill ``out`` (``src``'s shape; bool when ``masking``) for drop probability ``p`` < 1."""
+def _run(
+    src: torch.Tensor, out: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None, mode: int,
+    aux: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Fill ``out`` (``src``'s shape; bool for ``_MASK``) by ``mode`` for drop probability ``p`` < 1."""
     sync_numba_threads()
+    masking = mode == _MASK
     width = _BLOCK
     if rows is not None:
         if rows.numel() != out.shape[0]:
@@ -81,13 +113,16 @@ def _run(src: torch.Tensor, out: torch.Tensor, seed: int, p: float, rows: torch.
         width = max(1, out[0].numel()) if out.shape[0] else 1
     flat = out.view(torch.uint8) if masking else out
     scale = 1.0 / (1.0 - p)
+    flat_out = flat.reshape(-1).numpy()
+    flat_src = flat_out if masking else src.reshape(-1).numpy()
     _hashed(
-        src.reshape(-1).numpy() if not masking else flat.reshape(-1).numpy(),
-        flat.reshape(-1).numpy(),
+        flat_src,
+        flat_src if aux is None else aux.reshape(-1).numpy(),
+        flat_out,
         _NO_ROWS if rows is None else rows.to(torch.int64).contiguous().numpy(),
         rows is not None,
         np.int64(width),
-        masking,
+        mode,
         np.uint64(seed & 0xFFFFFFFF),
         np.uint64(seed >> 32),
         keep_threshold(p),
@@ -99,8 +134,8 @@ def _apply(x: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None) -> t
     x = x.contiguous()
     if keep_threshold(p) is None:
         return torch.zeros_like(x)
-    out = torch.empty_like(x)
-    _run(x, out, seed, p, rows, masking=False)
+    out = workspace.empty_like(x)
+    _run(x, out, seed, p, rows, _DROP)
     return out
 
 
@@ -135,6 +170,53 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, rows: torch.
     return _Dropout.apply(x, p, draw_seed(), rows)
 
 
+_ACT_MODES = {"relu": (_RELU_DROP, _RELU_DROP_GRAD), "elu": (_ELU_DROP, _ELU_DROP_GRAD)}
+ACTIVATIONS = tuple(_ACT_MODES)
+
+
+class _ActDropout(torch.autograd.Function):
+    """``dropout(act(x))`` in one pass over ``x`` into a workspace block, saving only the output:
+    its backward reads the activation's derivative off the output and recomputes the mask."""
+
+    @staticmethod
+    def forward(ctx, x, act, p, seed, rows):
+        x = x.contiguous()
+        out = workspace.empty_like(x)
+        forward_mode, ctx.grad_mode = _ACT_MODES[act]
+        _run(x, out, seed, p, rows, forward_mode)
+        ctx.p, ctx.seed, ctx.rows = p, seed, rows
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        g = g.contiguous()
+        gx = workspace.empty_like(g)
+        _run(g, gx, ctx.seed, ctx.p, ctx.rows, ctx.grad_mode, aux=y)
+        return gx, None, None, None, None
+
+
+def act_dropout(
+    x: torch.Tensor, act: str, p: float = 0.5, training: bool = True, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``dropout(act(x), p)`` for ``act`` in :data:`ACTIVATIONS` (ELU with alpha 1), in one pass,
+    drawing the mask :func:`dropout` would draw (same seed draw, same ``rows`` keying)."""
+    if act not in _ACT_MODES:
+        raise ValueError(f"unknown activation {act!r}; choose from {', '.join(ACTIVATIONS)}")
+    p = p if training else 0.0
+    if (
+        not 0.0 <= p < 1.0
+        or keep_threshold(p) is None
+        or x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.float64)
+    ):
+        y = torch.relu(x) if act == "relu" else torch.nn.functional.elu(x)
+        return dropout(y, p, training, rows)
+    # p == 0 keeps every element (threshold 0) and draws no seed, as dropout() draws none then
+    return _ActDropout.apply(x, act, p, draw_seed() if p > 0.0 else 0, rows)
+
+
 def dropout_mask(shape: tuple[int, ...], p: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The keep mask (bool) that :func:`dropout` would draw for a tensor of ``shape`` (with the
     same ``rows``) and drop probability ``p``, from the same generator state."""
@@ -142,7 +224,7 @@ def dropout_mask(shape: tuple[int, ...], p: float, rows: torch.Tensor | None = N
     out = torch.empty(shape, dtype=torch.bool)
     if keep_threshold(p) is None:
         return out.fill_(False)
-    _run(out, out, seed, p, rows, masking=True)
+    _run(out, out, seed, p, rows, _MASK)
     return out
 
 

@@ -22,6 +22,7 @@ from tessera.comm.group import Comm, env_world_size, single_process
 from tessera.errors import ConfigError, DistributedError, TesseraError
 from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
+from tessera.nn.loss import cross_entropy_rows
 from tessera.threads import set_num_threads
 from tessera.train.allocator import retain_freed_memory
 from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
@@ -120,7 +121,7 @@ class Trainer:
         logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids)
         # The sum over this rank's training vertices divided by the global count: summed over ranks
         # it is exactly the single-process mean loss, and so are the all-reduced gradients.
-        loss = F.cross_entropy(logits[tr], self.y[tr], reduction="sum") / max(n_loss, 1)
+        loss = cross_entropy_rows(logits, tr, self.y[tr]) / max(n_loss, 1)
         loss.backward()
         if self.comm.world > 1:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]

@@ -20,6 +20,12 @@ def glorot_(t: torch.Tensor) -> torch.Tensor:
         return t.uniform_(-a, a)
 
 
+def add_bias_(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out + bias``, in place: ``out`` is a layer's fresh output (an aggregation's or a linear
+    map's, which neither saves), so the bias costs no N x F temporary."""
+    return out if bias is None else out.add_(bias)
+
+
 class InputAggregate:
     """A layer's aggregation of its constant input (:attr:`LayerHints.constant_input`), computed
     once and reused while the call's graph operand and input are the same objects and the input

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tessera import sparse
-from tessera.nn.conv._util import glorot_
+from tessera.nn.conv._util import add_bias_, glorot_
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
@@ -58,9 +58,15 @@ class GATConv(GraphConv):
         a = as_operand(graph, self.backend)
         a = a.with_self_loops() if self.add_self_loops else a.pattern()
         n, heads, width = x.shape[0], self.heads, self.out_channels
-        h = self.lin(x).view(n, heads, width)
-        a_src = (h * self.att_src).sum(-1)
-        a_dst = (h * self.att_dst).sum(-1)
+        flat = self.lin(x)
+        h = flat.view(n, heads, width)
+        # Both ends' attention terms as one product with a block-diagonal (2 heads, heads x width)
+        # matrix: no (N, heads, width) temporaries, and the input gradient lands in one block.
+        att = torch.cat(
+            [torch.block_diag(*self.att_src[0].unsqueeze(1)), torch.block_diag(*self.att_dst[0].unsqueeze(1))]
+        )
+        terms = sparse.linear(flat, att)
+        a_src, a_dst = terms[:, :heads].contiguous(), terms[:, heads:].contiguous()
         # The sources' features and attention terms (all local in one process; a partition's
         # remote sources arrive in one exchange), then the terms of every edge's two ends (under
         # tensor parallelism every rank's edge structure is the whole graph: all vertices' terms).
@@ -72,8 +78,11 @@ class GATConv(GraphConv):
         if self.training and self.dropout > 0.0:
             alpha = sparse.dropout(alpha, self.dropout, True, self._edge_keys(a, edges, hints, n))
         out = sparse.aggregate(a, h_src, "sum", alpha)
-        out = out.reshape(-1, heads * width) if self.concat else out.mean(1)
-        return out if self.bias is None else out + self.bias
+        if not self.concat:
+            return add_bias_(out.mean(1), self.bias)
+        # the bias in place on the fresh aggregate, before the reshape: in place on the reshaped
+        # view would make autograd copy the whole gradient in backward
+        return add_bias_(out, None if self.bias is None else self.bias.view(heads, width)).reshape(-1, heads * width)
 
     def _edge_keys(self, a, edges, hints: LayerHints | None, n: int) -> torch.Tensor:
         """Global edge keys for attention dropout, made once per (edges, rows) pair."""

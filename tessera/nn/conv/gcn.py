@@ -6,7 +6,14 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.nn.conv._util import InputAggregate, aggregates_output, glorot_, linear_spec, linear_then_aggregate
+from tessera.nn.conv._util import (
+    InputAggregate,
+    add_bias_,
+    aggregates_output,
+    glorot_,
+    linear_spec,
+    linear_then_aggregate,
+)
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
@@ -53,7 +60,7 @@ class GCNConv(GraphConv):
         a = as_operand(graph, self.backend)
         a = a.gcn_normalized(self.add_self_loops, self.improved) if self.normalize else a.weighted()
         out = linear_then_aggregate(a, x, self.lin, "sum", hints, self.aggregate_first, (self._input_aggregate, graph))
-        return out if self.bias is None else out + self.bias
+        return add_bias_(out, self.bias)
 
     def describe(self) -> LayerSpec:
         return linear_spec(self.lin, self.aggregate_first)

@@ -36,12 +36,10 @@ class GINConv(GraphConv):
         if hints is not None and hints.constant_input:
             out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
             return self.nn(out + (1 + self.eps) * x)  # not in place: the aggregate is kept
-        out = sparse.aggregate(a, x, "sum", grad_mask=grad_mask)
         if isinstance(self.eps, torch.nn.Parameter):
-            out = out + (1 + self.eps) * x
-        else:  # in place on the fresh aggregate (which nothing saved): no N x F temporaries
-            out = out.add_(x, alpha=1.0 + float(self.eps))
-        return self.nn(out)
+            return self.nn(sparse.aggregate(a, x, "sum", grad_mask=grad_mask) + (1 + self.eps) * x)
+        # the root term inside the aggregation, in place both ways: no N x F temporaries
+        return self.nn(sparse.aggregate(a, x, "sum", grad_mask=grad_mask, self_weight=1.0 + float(self.eps)))
 
     def describe(self) -> LayerSpec:
         linears = [m for m in self.nn.modules() if isinstance(m, torch.nn.Linear)]

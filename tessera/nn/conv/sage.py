@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import sparse
-from tessera.nn.conv._util import InputAggregate, aggregates_output, linear_spec, linear_then_aggregate
+from tessera.nn.conv._util import InputAggregate, add_bias_, aggregates_output, linear_spec, linear_then_aggregate
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
@@ -45,10 +45,9 @@ class SAGEConv(GraphConv):
         out = linear_then_aggregate(
             a, x, _WeightOnly(self.lin_l), self.aggr, hints, self.aggregate_first, (self._input_aggregate, graph)
         )
-        if self.lin_l.bias is not None:
-            out = out + self.lin_l.bias
+        out = add_bias_(out, self.lin_l.bias)
         if self.lin_r is not None:
-            out = out + self.lin_r(x)
+            out = out.add_(self.lin_r(x))
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return out
