@@ -100,7 +100,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Execute one benchmark spec and return the result record."""
     import _peers
     import torch
-    import torch.nn.functional as F
     from _graphdata import load_arrays
 
     fw, threads = spec["framework"], int(spec["threads"])
@@ -113,6 +112,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     model, forward, info = _peers.build(fw, spec["model"], arrays, meta, spec)
+    loss_fn = _peers.train_loss(fw)
     x = torch.from_numpy(arrays["x"])
     y = torch.from_numpy(arrays["y"])
     train_idx = torch.from_numpy(arrays["train_mask"]).nonzero().view(-1)
@@ -134,7 +134,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         logits = forward(model, x)
-        loss = F.cross_entropy(logits[train_idx], y[train_idx])
+        loss = loss_fn(logits, train_idx, y)
         loss.backward()
         opt.step()
         lv = float(loss.detach())

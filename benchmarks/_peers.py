@@ -247,3 +247,19 @@ def versions(framework: str) -> dict[str, str]:
 
         out["dgl"] = dgl.__version__
     return out
+
+
+def train_loss(framework: str):
+    """``loss(logits, train_idx, y)``: the mean cross entropy on the training vertices, written as
+    that framework's users write it: ``F.cross_entropy(logits[idx], y[idx])`` for PyG and DGL,
+    ``tessera.nn.loss.cross_entropy_rows`` (what ``tessera train`` runs) for tessera."""
+    import torch.nn.functional as F
+
+    if framework == "tessera" or framework.startswith("tessera@"):
+        try:
+            from tessera.nn.loss import cross_entropy_rows
+        except ImportError:  # a tessera tree from before it existed
+            cross_entropy_rows = None
+        if cross_entropy_rows is not None:
+            return lambda logits, idx, y: cross_entropy_rows(logits, idx, y[idx]) / max(idx.numel(), 1)
+    return lambda logits, idx, y: F.cross_entropy(logits[idx], y[idx])

@@ -177,3 +177,23 @@ def test_a_steady_training_step_maps_no_new_memory_for_its_large_tensors(model, 
     faults = _minor_faults() - before
     assert faults < pages_per_activation, f"{faults} minor faults in a steady {model} step"
     assert workspace.DEFAULT.held_bytes() > 0
+
+
+def test_linear_add_accumulates_in_place_with_the_gradients_of_an_add():
+    torch.manual_seed(4)
+    x = torch.randn(3000, 24, requires_grad=True)
+    w = torch.randn(16, 24, requires_grad=True)
+    base = torch.randn(3000, 16, requires_grad=True)
+    acc = base * 1.0
+    ptr = acc.data_ptr()
+    got = sparse.linear_add_(acc, x, w)
+    assert got.data_ptr() == ptr
+    torch.testing.assert_close(got, base * 1.0 + F.linear(x, w), rtol=1e-5, atol=1e-5)
+    g = torch.randn(3000, 16)
+    got.backward(g)
+    grads = [t.grad.clone() for t in (x, w, base)]
+    for t in (x, w, base):
+        t.grad = None
+    (base * 1.0 + F.linear(x, w)).backward(g)
+    for a, t in zip(grads, (x, w, base)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-4)

@@ -39,7 +39,6 @@ paths (which one runs depends on the thread count) give bitwise-identical rows.
 from __future__ import annotations
 
 import hashlib
-import weakref
 
 import numba
 import numpy as np
@@ -555,30 +554,6 @@ class CSRBackend(Backend):
             t = graph.transpose()
             return t.indptr.numpy(), t.indices.numpy()
         return graph.indptr.numpy(), graph.indices.numpy()
-
-    def transposed_weight(self, graph: CSRStructure, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` in transposed-CSR order. For a weight that does not require grad (a fixed
-        edge weight such as the GCN normalisation) the permuted copy is kept while ``weight`` is
-        alive and its version counter unchanged, so it is permuted once, not every backward
-        (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
-        callers change them through ``.data``, which the version counter does not see."""
-        if weight.requires_grad:
-            perm = graph.transpose().perm.long()
-            out = workspace.empty((perm.numel(), *weight.shape[1:]), weight.dtype)
-            return torch.index_select(weight.detach(), 0, perm, out=out)
-        memo = self.plans.get(graph, "transposed_weight", dict)
-        hit = memo.get(weight.dtype)
-        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-            return hit[2]
-        wt = weight.detach().index_select(0, graph.transpose().perm.long())
-        self.keep_transposed_weight(graph, weight, wt)
-        return wt
-
-    def keep_transposed_weight(self, graph: CSRStructure, weight: torch.Tensor, wt: torch.Tensor) -> None:
-        """Use ``wt`` as :meth:`transposed_weight` of ``weight`` (fixed, not requiring grad) while
-        ``weight`` is alive and unchanged (one permuted elsewhere, such as a shared copy)."""
-        memo = self.plans.get(graph, "transposed_weight", dict)
-        memo[weight.dtype] = (weakref.ref(weight), weight._version, wt)
 
     def _run(self, graph: CSRStructure, transposed: bool, x: torch.Tensor, w: torch.Tensor | None, out=None):
         sync_numba_threads()

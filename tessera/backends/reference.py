@@ -49,7 +49,7 @@ class ReferenceBackend(Backend):
 
     def spmm_t(self, graph: CSRStructure, g: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         t = graph.transpose()
-        values = self._ones(graph, g.dtype) if weight is None else weight.to(g.dtype)[t.perm.long()]
+        values = self._ones(graph, g.dtype) if weight is None else self.transposed_weight(graph, weight.to(g.dtype))
         return _matmul(t.indptr, t.indices, values, g.contiguous(), (graph.num_cols, graph.num_rows))
 
     def sddmm_dot(self, graph: CSRStructure, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from tessera.sparse.aggregate import aggregate, inv_in_degree
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import act_dropout, dropout
-from tessera.sparse.linear import linear
+from tessera.sparse.linear import linear, linear_add_
 from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
 from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
 from tessera.sparse.operand import GraphOperand, Operand, as_operand
@@ -28,6 +28,7 @@ __all__ = [
     "gat_attention",
     "inv_in_degree",
     "linear",
+    "linear_add_",
     "lstm_aggregate",
     "masked_aggregate",
     "masked_spmm_t",

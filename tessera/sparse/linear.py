@@ -65,35 +65,62 @@ def _mm_t(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> to
     return torch.mm(a, w.t(), out=out) if b is None else torch.addmm(b, a, w.t(), out=out)
 
 
+def _grads(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input and weight gradients of ``x @ weight.T`` (saved as ``ctx``'s tensors) for ``g``."""
+    x, weight = ctx.saved_tensors
+    g = g.contiguous()
+    gx = _mm_t(g, weight.t()) if ctx.needs_input_grad[1] else None
+    gw = None
+    if ctx.needs_input_grad[2]:
+        # When most rows of g are zero (a loss on the training vertices only), the weight
+        # gradient, a reduction over rows on MKL, needs only the others. The input gradient
+        # stays one product: scattering its live rows into zeros measured slower.
+        live = sparse_rows(g)
+        if live is None:
+            gw = g.t().mm(x)
+        else:
+            rows = torch.from_numpy(np.flatnonzero(live))
+            gw = g.index_select(0, rows).t().mm(x.index_select(0, rows))
+    return gx, gw
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, bias, x, weight):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _mm_t(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        g = g.contiguous()
-        gx = _mm_t(g, weight.t()) if ctx.needs_input_grad[0] else None
-        gw = None
-        if ctx.needs_input_grad[1]:
-            # When most rows of g are zero (a loss on the training vertices only), the weight
-            # gradient, a reduction over rows on MKL, needs only the others. The input gradient
-            # stays one oneDNN product: scattering its live rows into zeros measured slower.
-            live = sparse_rows(g)
-            if live is None:
-                gw = g.t().mm(x)
-            else:
-                rows = torch.from_numpy(np.flatnonzero(live))
-                gw = g.index_select(0, rows).t().mm(x.index_select(0, rows))
-        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        gx, gw = _grads(ctx, g)
+        gb = g.sum(0) if ctx.needs_input_grad[0] else None
+        return gb, gx, gw
+
+
+class _LinearAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, acc, x, weight):
+        ctx.save_for_backward(x, weight)
+        ctx.mark_dirty(acc)
+        if _MKL:
+            return acc.addmm_(x.contiguous(), weight.t())  # the GEMM accumulates: no temporary, no add pass
+        return acc.add_(_mm_t(x, weight))
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g, *_grads(ctx, g))
+
+
+def linear_add_(acc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``acc += x @ weight.T`` in place, with autograd (``acc`` a fresh result nothing saved,
+    such as a layer's aggregate: SAGE's root term then costs no N x F temporary)."""
+    if _usable(x, weight) and acc.dtype == torch.float32 and acc.is_contiguous():
+        return _LinearAdd.apply(acc, x, weight)
+    return acc.add_(F.linear(x, weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` like ``torch.nn.functional.linear``, on oneDNN for 2-D float32 CPU inputs."""
     if _usable(x, weight):
-        return _Linear.apply(x, weight, bias)
+        return _Linear.apply(bias, x, weight)
     return F.linear(x, weight, bias)

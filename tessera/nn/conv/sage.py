@@ -47,7 +47,7 @@ class SAGEConv(GraphConv):
         )
         out = add_bias_(out, self.lin_l.bias)
         if self.lin_r is not None:
-            out = out.add_(self.lin_r(x))
+            out = sparse.linear_add_(out, x, self.lin_r.weight)
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return out

@@ -1,0 +1,140 @@
+"""Time to first epoch: what ``tessera train`` spends before its steady epochs, in the default environment.
+
+Each run is a fresh child process with no ``LD_PRELOAD`` and no ``MALLOC_CONF`` that goes through
+what ``tessera train`` does: import tessera, load the dataset (a synthetic graph is generated from
+its seed), set the run up (``Trainer``: ordering, operands, model, optimizer), then epochs of one
+training step and one evaluation each. Reported per run: import, load, setup, the first epoch, the
+median of the later (steady) epochs, and start-up = load + setup + first epoch in steady epochs.
+
+``--runs cold warm`` runs the child twice: ``cold`` with empty caches (a fresh ``NUMBA_CACHE_DIR``
+and ``TESSERA_CACHE``: every numba kernel compiled, every ordering computed), ``warm`` right after
+with the caches the cold run left (what a second ``tessera train`` on the machine gets).
+
+    python benchmarks/bench_startup.py --dataset synthetic:products --models gcn sage gin gat \\
+        --epochs 4 --threads 2 --runs cold warm --md out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CHILD = r"""
+import json, os, resource, sys, time
+t0 = time.perf_counter()
+import torch
+from tessera.datasets import load
+from tessera.train.config import TrainConfig
+from tessera.train.loop import Trainer
+spec = json.loads(sys.argv[1])
+t_import = time.perf_counter() - t0
+t0 = time.perf_counter()
+graph = load(spec["dataset"])
+t_load = time.perf_counter() - t0
+t0 = time.perf_counter()
+cfg = TrainConfig(model=spec["model"], dataset=spec["dataset"], hidden=spec["hidden"], threads=spec["threads"],
+                  epochs=spec["epochs"], out=spec["out"])
+tr = Trainer(cfg, graph)
+t_setup = time.perf_counter() - t0
+epochs, steps = [], []
+for _ in range(spec["epochs"]):
+    t0 = time.perf_counter()
+    tr.train_step()
+    steps.append(time.perf_counter() - t0)
+    tr.evaluate()
+    epochs.append(time.perf_counter() - t0)
+print(json.dumps({"import_s": t_import, "load_s": t_load, "setup_s": t_setup, "epoch_s": epochs, "step_s": steps,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "num_nodes": graph.num_nodes, "num_edges": graph.num_edges}))
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="synthetic:products")
+    p.add_argument("--models", nargs="+", default=["gcn", "sage", "gin", "gat"])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=4, help="epochs per run: the first, then steady ones")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"])
+    p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
+    p.add_argument("--md", default=None, help="write the markdown table here")
+    p.add_argument("--json", default=None, help="write the records here")
+    return p.parse_args(argv)
+
+
+def run_child(a: argparse.Namespace, model: str, caches: Path, out: Path) -> dict:
+    """One child in the default environment with ``caches`` as its numba and tessera caches."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF")}
+    env.update(
+        NUMBA_CACHE_DIR=str(caches / "numba"),
+        TESSERA_CACHE=str(caches / "tessera"),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS=str(a.threads),
+        MKL_NUM_THREADS=str(a.threads),
+        NUMBA_NUM_THREADS=str(a.threads),
+    )
+    spec = {"dataset": a.dataset, "model": model, "hidden": a.hidden, "threads": a.threads, "epochs": a.epochs}
+    spec["out"] = str(out)
+    t0 = time.perf_counter()
+    proc = subprocess.run([a.python, "-c", CHILD, json.dumps(spec)], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"status": "error", "error": proc.stderr.strip().splitlines()[-1:], "wall_s": wall}
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    steady = statistics.median(rec["epoch_s"][1:]) if len(rec["epoch_s"]) > 1 else float("nan")
+    rec.update(status="ok", wall_s=wall, steady_epoch_s=steady)
+    rec["startup_s"] = rec["load_s"] + rec["setup_s"] + rec["epoch_s"][0]
+    rec["startup_in_epochs"] = rec["startup_s"] / steady
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every model cold then warm; print and write the table."""
+    a = parse_args(argv)
+    rows = []
+    for model in a.models:
+        with tempfile.TemporaryDirectory(prefix="tessera-startup-") as tmp:
+            caches = Path(tmp)
+            for kind in a.runs:
+                rec = run_child(a, model, caches, caches / f"out-{kind}")
+                rec.update(model=model, run=kind)
+                rows.append(rec)
+                print(json.dumps({k: v for k, v in rec.items() if k not in ("epoch_s", "step_s")}), flush=True)
+    lines = [
+        f"`{' '.join([Path(sys.executable).name, *sys.argv])}`",
+        "",
+        "| model | run | import s | load s | setup s | first epoch s | steady epoch s | start-up s "
+        "| start-up / steady epoch | peak RSS MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['run']} | error: {r['error']} |||||||")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['run']} | {r['import_s']:.1f} | {r['load_s']:.1f} | {r['setup_s']:.1f} "
+            f"| {r['epoch_s'][0]:.2f} | {r['steady_epoch_s']:.2f} | {r['startup_s']:.1f} "
+            f"| {r['startup_in_epochs']:.1f} | {r['peak_rss_mib']:.0f} |"
+        )
+    md = "\n".join(lines)
+    print(md)
+    if a.md:
+        Path(a.md).write_text(md + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
