@@ -81,9 +81,7 @@ def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any
     from tessera.backends import available_backends
     from tessera.graph import Graph
     from tessera.nn import build_model
-    from tessera.train.allocator import retain_freed_memory
 
-    retain_freed_memory()  # as tessera's Trainer does (acts only with TESSERA_MALLOC=retain)
     g = Graph.from_csr(
         torch.from_numpy(arrays["indptr"]),
         torch.from_numpy(arrays["indices"]),

@@ -583,7 +583,7 @@ def render(
             f"{meta['num_features']} features, {meta['num_classes']} classes, {meta['num_train']:,} train",
             "",
         ]
-        if "tessera" in frameworks and "default" in a.allocators and len(frameworks) > 1:
+        if "tessera" in frameworks and "default" in a.allocators and any(f in frameworks for f in FRAMEWORKS[1:]):
             lines += headline_table(gname, a.models, frameworks, grouped, a.mem_cap_gb, a.timeout) + [""]
         lines += graph_table(gname, a.models, frameworks, a.allocators, grouped, a.mem_cap_gb, a.timeout)
     if any(f.startswith(TREE_PREFIX) for f in frameworks):

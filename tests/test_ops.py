@@ -207,20 +207,6 @@ def test_linear_matches_torch_forward_and_backward(bias, sparse_grad, monkeypatc
     torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
 
 
-def test_retain_freed_memory_is_opt_in_and_idempotent():
-    import os
-    import subprocess
-    import sys
-
-    code = "from tessera.train.allocator import retain_freed_memory as r; print(r(), r())"
-    env = {k: v for k, v in os.environ.items() if k != "TESSERA_MALLOC"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]  # off unless asked for
-    env["TESSERA_MALLOC"] = "retain"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "True"]  # glibc (Linux CI): takes effect, twice the same
-
-
 def test_sparse_rows_marks_live_rows_and_forgets_a_modified_tensor(monkeypatch):
     from tessera.sparse import sparsity
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from tessera import workspace
 from tessera.comm.accounting import add_epoch
 from tessera.comm.group import Comm, env_world_size, single_process
 from tessera.errors import ConfigError, DistributedError, TesseraError
@@ -24,7 +25,6 @@ from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
 from tessera.nn.loss import cross_entropy_rows
 from tessera.threads import set_num_threads
-from tessera.train.allocator import retain_freed_memory
 from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
 from tessera.train.config import TrainConfig
 from tessera.train.setup import prepare
@@ -72,7 +72,6 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, graph: Graph | dict[str, Any], comm: Comm | None = None) -> None:
         cfg.validate()
-        retain_freed_memory()
         self.cfg = cfg
         self.comm = comm or single_process()
         self.is_main = self.comm.rank == 0
@@ -332,6 +331,9 @@ class Trainer:
         if self.best["state"] is not None:
             self.model.load_state_dict(self.best["state"])
         final = self.evaluate()
+        # the step buffers go back once training is over: a host process (a notebook, a
+        # pipeline) keeps running with its memory, and a later call maps them again once
+        workspace.release()
         rss = torch.zeros(self.comm.world, dtype=torch.float64, device=self.comm.device)
         rss[self.comm.rank] = peak_rss_mb()
         rss_per_rank = self.comm.all_reduce_sum(rss).tolist()  # every rank's, in rank order
