@@ -21,13 +21,11 @@ def _csr(indptr: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, shap
 
 def _matmul(indptr, indices, values, x, shape):
     if x.dim() == 2:
+        a = _csr(indptr, indices, values, shape)
+        if x.device.type != "cpu":
+            return a @ x
         # into a kept block; MKL still maps one temporary of the output's size per call
-        out = workspace.empty((shape[0], x.shape[1]), x.dtype) if x.device.type == "cpu" else None
-        return (
-            torch.mm(_csr(indptr, indices, values, shape), x, out=out)
-            if out is not None
-            else _csr(indptr, indices, values, shape) @ x
-        )
+        return torch.mm(a, x, out=workspace.empty((shape[0], x.shape[1]), x.dtype))
     heads = x.shape[1]
     vals = values if values.dim() == 2 else values.unsqueeze(1).expand(-1, heads)
     return torch.stack([_csr(indptr, indices, vals[:, h].contiguous(), shape) @ x[:, h] for h in range(heads)], 1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tessera import sparse
@@ -39,7 +38,6 @@ class GNN(nn.Module):
         # jemalloc: 3-layer GCN step 836 vs 599 ms, GIN 810 vs 792 ms; benchmarks/RESULTS.md).
         self.s_spmm = s_spmm
         self.activation = activation
-        self.act = F.elu if activation == "elu" else F.relu
         in_dim = convs[0].describe().in_width
         self.label_emb = nn.Embedding(label_classes, in_dim) if label_classes else None
         if self.label_emb is not None:
@@ -103,16 +101,14 @@ class GNN(nn.Module):
                     else dropout_with_mask(x, keep, self.dropout)
                 )
             uses_in, uses_out = conv.s_spmm_sides() if fuse else (False, False)
-            grad_mask = x != 0 if uses_in and i > 0 and self.act is F.relu and x.requires_grad else None
+            grad_mask = x != 0 if uses_in and i > 0 and self.activation == "relu" and x.requires_grad else None
             keep = None
             if uses_out and i < last:
                 keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout, rows)
             x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0))
             dropped = fused_next and i < last
-            if dropped:
-                x = sparse.act_dropout(x, self.activation, self.dropout, self.training, rows)
-            elif i < last:
-                x = self.act(x)
+            if i < last:  # the next layer's dropout too where it is fused, else the activation alone
+                x = sparse.act_dropout(x, self.activation, self.dropout if dropped else 0.0, self.training, rows)
         return x
 
 

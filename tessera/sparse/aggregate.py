@@ -26,9 +26,10 @@ def inv_in_degree(operand: Operand | CSRStructure, dtype: torch.dtype = torch.fl
     return _inv_degree.get(a.in_degree(), dtype, make)
 
 
-def scale_rows(t: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
-    """``t`` with row ``i`` multiplied by ``s[i]`` (``t`` unchanged when ``s`` is None)."""
-    return t if s is None else t * s.view(-1, *([1] * (t.dim() - 1)))
+def scale_rows(t: torch.Tensor, s: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` with row ``i`` multiplied by ``s[i]``, into ``out`` when given (which may be ``t``);
+    ``t`` unchanged when ``s`` is None."""
+    return t if s is None else torch.mul(t, s.view(-1, *([1] * (t.dim() - 1))), out=out)
 
 
 def check_reduce(reduce: str) -> None:
@@ -54,9 +55,8 @@ class AggregateFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, a: Operand, row_scale, out_mask, grad_mask, self_weight=0.0):
         if out_mask is None:
-            out = a.spmm(x, weight)
-            if row_scale is not None:  # in place on the fresh product
-                out.mul_(row_scale.view(-1, *([1] * (out.dim() - 1))))
+            product = a.spmm(x, weight)
+            out = scale_rows(product, row_scale, out=product)  # in place on the fresh product
         else:
             out = a.masked_spmm(x, out_mask, weight, row_scale, False)
         if self_weight:
@@ -74,8 +74,7 @@ class AggregateFn(torch.autograd.Function):
         if ctx.out_mask is not None:
             g = torch.where(keep_of(ctx.out_mask), g, 0.0)
         if ctx.row_scale is not None:  # into a kept block: g itself may be read by other nodes
-            s = ctx.row_scale.view(-1, *([1] * (g.dim() - 1)))
-            g = torch.mul(g, s, out=workspace.empty_like(g)) if g.device.type == "cpu" else g * s
+            g = scale_rows(g, ctx.row_scale, out=workspace.empty_like(g))
         gx = None
         if ctx.needs_input_grad[0] and ctx.grad_mask is not None:
             gx = a.masked_spmm(g, ctx.grad_mask, weight, None, True)
