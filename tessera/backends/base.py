@@ -58,7 +58,7 @@ class Backend(ABC):
         alive and its version counter unchanged, so it is permuted once, not every backward
         (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
         callers change them through ``.data``, which the version counter does not see."""
-        perm = self.plans.get(graph, "perm64", lambda: graph.transpose().perm.long())
+        perm = graph.transpose().perm  # as stored (int32 where it fits): no int64 copy of E entries kept
         if weight.requires_grad:
             out = workspace.empty((perm.numel(), *weight.shape[1:]), weight.dtype)
             return torch.index_select(weight.detach(), 0, perm, out=out)

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tessera.graph.sorting import transpose_csr
+
 _INT32_MAX = 2**31 - 1
+_NUMPY_INDEX = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def index_dtype(num_nodes: int, num_edges: int) -> torch.dtype:
@@ -76,11 +79,9 @@ class CSRStructure:
         """Column-major CSR (computed once), used by backward passes to scatter without atomics."""
 
         def make() -> TransposedCSR:
-            perm = torch.argsort(self.src_index() * max(self.num_rows, 1) + self.dst_index(), stable=True)
-            indptr = torch.zeros(self.num_cols + 1, dtype=torch.int64)
-            indptr[1:] = torch.cumsum(self.out_degree(), 0)
             idt = self.indptr.dtype
-            return TransposedCSR(indptr.to(idt), self.dst_index()[perm].to(idt), perm.to(idt))
+            parts = transpose_csr(self.indptr.numpy(), self.indices.numpy(), self.num_cols, _NUMPY_INDEX[idt])
+            return TransposedCSR(*(torch.from_numpy(a) for a in parts))
 
         return self._derived("transpose", make)
 

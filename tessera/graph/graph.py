@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 
 from tessera.errors import GraphError
 from tessera.graph.csr import CSRStructure, index_dtype
+from tessera.graph.sorting import with_self_loops
 
 _MASKS = ("train_mask", "val_mask", "test_mask")
 
@@ -24,6 +26,13 @@ def _as_tensor(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
     return t.contiguous()
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether no element of the floating tensor ``t`` is NaN or infinite."""
+    # A sum is finite only if every term is (inf and NaN never cancel back to a finite value), and
+    # it reads the tensor once without a boolean copy; only a sum that overflowed needs the full test.
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
 
 
 @dataclass(eq=False)
@@ -89,7 +98,7 @@ class Graph(CSRStructure):
             w = _as_tensor(self.edge_weight, torch.float32)
             if w.shape != (e,):
                 raise GraphError(f"edge_weight has shape {tuple(w.shape)}, expected ({e},)")
-            if not bool(torch.isfinite(w).all()):
+            if not all_finite(w):
                 raise GraphError("edge_weight contains NaN or inf")
             self.edge_weight = w
         self._validate_edge_type()
@@ -132,7 +141,7 @@ class Graph(CSRStructure):
             x = x.to(torch.float32)
             if x.dim() != 2 or x.shape[0] != n:
                 raise GraphError(f"features have shape {tuple(x.shape)}, expected ({n}, F)")
-            if not bool(torch.isfinite(x).all()):
+            if not all_finite(x):
                 row = int(torch.nonzero(~torch.isfinite(x).all(1))[0])
                 raise GraphError(f"features contain NaN or inf (first at vertex {row})")
             self.x = x
@@ -262,9 +271,8 @@ class Graph(CSRStructure):
             if self.num_relations is not None:
                 h.update(f";r={self.num_relations}".encode())
             for t in (self.indptr, self.indices, self.edge_weight, self.edge_type):
-                h.update(
-                    b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy().tobytes()
-                )
+                # hashed through the buffer protocol: no bytes copy of the E-entry arrays
+                h.update(b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy())
             return h.hexdigest()
 
         return self._derived("fingerprint", make)
@@ -290,25 +298,22 @@ class Graph(CSRStructure):
 
     def add_self_loops(self, fill_value: float = 1.0, loop_type: int = 0) -> Graph:
         """Give every vertex exactly one self loop (PyG's ``add_remaining_self_loops``): existing
-        loops keep their weight (and relation), duplicate loops collapse into one, missing ones get
-        ``fill_value`` (and, on a typed graph, relation ``loop_type``)."""
-        src, dst = self.src_index(), self.dst_index()
-        is_loop = src == dst
+        loops keep their weight (and relation), duplicate loops collapse into their last one,
+        missing ones get ``fill_value`` (and, on a typed graph, relation ``loop_type``)."""
         n = self.num_nodes
-        loop_w = torch.full((n,), float(fill_value))
-        loop_w[src[is_loop]] = 1.0 if self.edge_weight is None else self.edge_weight[is_loop]
-        keep = ~is_loop
-        ar = torch.arange(n)
+        indptr, indices, take = with_self_loops(self.indptr.numpy(), self.indices.numpy())
+        take = torch.from_numpy(take)
         weight = None
         if self.edge_weight is not None or fill_value != 1.0:
-            base = self.edge_weight[keep] if self.edge_weight is not None else torch.ones(int(keep.sum()))
-            weight = torch.cat([base, loop_w])
+            base = self.edge_weight if self.edge_weight is not None else torch.ones(self.num_edges)
+            weight = torch.cat([base, torch.full((n,), float(fill_value))])[take]
         etype = None
         if self.edge_type is not None:
-            loop_t = torch.full((n,), int(loop_type), dtype=torch.int64)
-            loop_t[src[is_loop]] = self.edge_type[is_loop]
-            etype = torch.cat([self.edge_type[keep], loop_t])
-        return self._rebuild(torch.cat([src[keep], ar]), torch.cat([dst[keep], ar]), weight, etype)
+            etype = torch.cat([self.edge_type, torch.full((n,), int(loop_type), dtype=torch.int64)])[take]
+        node = {k: getattr(self, k) for k in ("x", "y", *_MASKS, "num_classes", "name", "num_relations")}
+        return Graph(
+            torch.from_numpy(indptr), torch.from_numpy(indices), n, edge_weight=weight, edge_type=etype, **node
+        )
 
     def coalesce(self, reduce: str = "sum") -> Graph:
         """Remove duplicate edges (same source, destination and type); weights are combined by

@@ -380,7 +380,9 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
 
         graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
     if env_world_size() <= 1 and not cfg.parts_dir:
-        return Trainer(cfg, graph).fit()
+        trainer = Trainer(cfg, graph)
+        del graph  # a renumbered run trains on its own copy: the loaded graph's memory can go
+        return trainer.fit()
     from tessera.comm.group import init_from_env, shutdown
 
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:

@@ -29,15 +29,19 @@ from tessera.train.config import TrainConfig
 from tessera.train.planning import layer_choices
 
 
-def prepare_features(x: torch.Tensor, mode: str, non_negative: bool | None = None) -> torch.Tensor:
+def prepare_features(
+    x: torch.Tensor, mode: str, non_negative: bool | None = None, in_place: bool = False
+) -> torch.Tensor:
     """Node features for training: row-normalised (Kipf & Welling) for ``row``, and for ``auto``
     when every feature is non-negative (bag-of-words style; ``non_negative`` overrides the check,
-    for a rank that sees only its rows); unchanged otherwise."""
+    for a rank that sees only its rows); unchanged otherwise. ``in_place`` normalises ``x`` itself
+    (a copy the caller owns) instead of allocating a second ``N x F`` tensor."""
     if non_negative is None:
         non_negative = bool((x >= 0).all())
     if mode == "row" or (mode == "auto" and non_negative):
         s = x.sum(1, keepdim=True)
-        x = x / torch.where(s == 0, torch.ones_like(s), s)
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        x = x.div_(s) if in_place else x / s
     return x
 
 
@@ -180,7 +184,9 @@ def prepare(
     # Global facts are sums over ranks: split sizes, and whether any feature is negative.
     local = torch.tensor([float(shard.masks[k].sum()) for k in SPLITS] + [float((shard.x < 0).sum())])
     total = comm.all_reduce_sum(local)
-    x = prepare_features(shard.x, cfg.feature_norm, non_negative=bool(total[3] == 0))
+    # the shard's rows are a copy (renumbered or another rank's slice) unless it is the caller's graph
+    owned = not (isinstance(source, Graph) and shard.x is source.x)
+    x = prepare_features(shard.x, cfg.feature_norm, non_negative=bool(total[3] == 0), in_place=owned)
     operands = [strategy.operand(spec, i) for i, spec in enumerate(specs)]
     counts = {k: int(total[i]) for i, k in enumerate(SPLITS)}
     return Setup(shard, x, model, strategy, operands, order, counts, plan)
