@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import os
 import re
+import warnings
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
-from tessera.errors import DatasetError
+import numpy as np
+import torch
+
+from tessera.errors import DatasetError, TesseraError
+from tessera.files import atomic_write, default_cache_dir
+from tessera.graph import graph as graph_module
 from tessera.graph.formats import (
     is_ntriples,
     is_ogb_dir,
@@ -66,8 +75,56 @@ def _load_synthetic(preset: str, seed: int, name: str | None) -> Graph:
         preset = preset.lower()
     if not known(preset):
         raise DatasetError(f"unknown synthetic preset {preset!r}; choose one of: {', '.join(sorted(presets))}")
-    g = mod.generate(preset, seed=seed)
+    path = _synthetic_cache_path(mod, preset, seed)
+    g = _read_cached(path) if path is not None and path.is_file() else None
+    if g is None:
+        g = mod.generate(preset, seed=seed)
+        if path is not None and g.num_edges >= _CACHED_MIN_EDGES:
+            _write_cached(path, g)
     return g.replace(name=name) if name and name != g.name else g
+
+
+_CACHED_MIN_EDGES = 1_000_000  # smaller synthetic graphs generate in under a second
+_GRAPH_ARRAYS = ("indptr", "indices", "edge_type", "x", "y", "train_mask", "val_mask", "test_mask")
+
+
+def _synthetic_cache_path(mod: ModuleType, preset: str, seed: int) -> Path | None:
+    """Where a generated graph is kept (``$TESSERA_CACHE/synthetic``): keyed by the preset, the
+    seed, NumPy's version and the source of the generator and of Graph, so a changed generator or
+    CSR convention never reads an old file. None (not cached) for a generator without a source file."""
+    h = hashlib.blake2b(f"{preset}|{seed}|numpy {np.__version__}".encode(), digest_size=16)
+    for m in (mod, graph_module):
+        source = m.__spec__.origin if m.__spec__ is not None else None
+        if source is None or not Path(source).is_file():
+            return None
+        h.update(Path(source).read_bytes())
+    return default_cache_dir() / "synthetic" / f"{preset}-s{seed}-{h.hexdigest()}.npz"
+
+
+def _read_cached(path: Path) -> Graph | None:
+    """The graph :func:`_write_cached` stored at ``path``; None if the file cannot be read."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: torch.from_numpy(z[k]) for k in _GRAPH_ARRAYS if k in z.files}
+            facts = json.loads(str(z["facts"]))
+        n = int(facts.pop("num_nodes"))
+        return Graph(arrays.pop("indptr"), arrays.pop("indices"), n, **facts, **arrays)
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, TesseraError):
+        return None  # unreadable or not a graph: generated again and rewritten
+
+
+def _write_cached(path: Path, g: Graph) -> None:
+    arrays = {k: getattr(g, k).numpy() for k in _GRAPH_ARRAYS if getattr(g, k) is not None}
+    facts = {"num_nodes": g.num_nodes, "num_classes": g.num_classes, "num_relations": g.num_relations, "name": g.name}
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npz"
+            np.savez(f, facts=np.array(json.dumps(facts)), **arrays)
+
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        warnings.warn(f"could not cache the synthetic graph at {path}: {e}", RuntimeWarning, stacklevel=3)
 
 
 def _planetoid_names(folder: Path) -> list[str]:

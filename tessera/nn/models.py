@@ -108,9 +108,7 @@ class GNN(nn.Module):
             x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0))
             dropped = fused_next and i < last
             if i < last:  # the next layer's dropout too where it is fused, else the activation alone
-                # over the conv's output itself: no layer keeps its output for its backward
-                p = self.dropout if dropped else 0.0
-                x = sparse.act_dropout(x, self.activation, p, self.training, rows, in_place=True)
+                x = sparse.act_dropout(x, self.activation, self.dropout if dropped else 0.0, self.training, rows)
         return x
 
 

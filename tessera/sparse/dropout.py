@@ -175,18 +175,13 @@ ACTIVATIONS = tuple(_ACT_MODES)
 
 
 class _ActDropout(torch.autograd.Function):
-    """``dropout(act(x))`` in one pass over ``x`` into a workspace block (or over ``x`` itself),
-    saving only the output: its backward reads the activation's derivative off the output and
-    recomputes the mask."""
+    """``dropout(act(x))`` in one pass over ``x`` into a workspace block, saving only the output:
+    its backward reads the activation's derivative off the output and recomputes the mask."""
 
     @staticmethod
-    def forward(ctx, x, act, p, seed, rows, in_place):
-        if in_place:
-            out = x
-            ctx.mark_dirty(x)
-        else:
-            x = x.contiguous()
-            out = workspace.empty_like(x)
+    def forward(ctx, x, act, p, seed, rows):
+        x = x.contiguous()
+        out = workspace.empty_like(x)
         forward_mode, ctx.grad_mode = _ACT_MODES[act]
         _run(x, out, seed, p, rows, forward_mode)
         ctx.p, ctx.seed, ctx.rows = p, seed, rows
@@ -199,22 +194,14 @@ class _ActDropout(torch.autograd.Function):
         g = g.contiguous()
         gx = workspace.empty_like(g)
         _run(g, gx, ctx.seed, ctx.p, ctx.rows, ctx.grad_mode, aux=y)
-        return gx, None, None, None, None, None
+        return gx, None, None, None, None
 
 
 def act_dropout(
-    x: torch.Tensor,
-    act: str,
-    p: float = 0.5,
-    training: bool = True,
-    rows: torch.Tensor | None = None,
-    in_place: bool = False,
+    x: torch.Tensor, act: str, p: float = 0.5, training: bool = True, rows: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``dropout(act(x), p)`` for ``act`` in :data:`ACTIVATIONS` (ELU with alpha 1), in one pass,
-    drawing the mask :func:`dropout` would draw (same seed draw, same ``rows`` keying).
-    ``in_place`` writes the result over ``x`` when ``x`` is needed by nothing else (autograd raises
-    at backward if another node saved it), saving an ``N x F`` block; not over a view, whose
-    in-place change would make autograd copy the whole gradient in backward."""
+    drawing the mask :func:`dropout` would draw (same seed draw, same ``rows`` keying)."""
     if act not in _ACT_MODES:
         raise ValueError(f"unknown activation {act!r}; choose from {', '.join(ACTIVATIONS)}")
     p = p if training else 0.0
@@ -227,8 +214,7 @@ def act_dropout(
         y = torch.relu(x) if act == "relu" else torch.nn.functional.elu(x)
         return dropout(y, p, training, rows)
     # p == 0 keeps every element (threshold 0) and draws no seed, as dropout() draws none then
-    in_place = in_place and x.is_contiguous() and not x._is_view()
-    return _ActDropout.apply(x, act, p, draw_seed() if p > 0.0 else 0, rows, in_place)
+    return _ActDropout.apply(x, act, p, draw_seed() if p > 0.0 else 0, rows)
 
 
 def dropout_mask(shape: tuple[int, ...], p: float, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ from tessera.files import atomic_write
 from tessera.nn.models import GNN
 from tessera.parallel.hybrid import check_groups
 from tessera.parallel.mixed import parse_entry
+from tessera.train.optim import Adam
 
 FORMAT = 1
 # Every top-level field Trainer.state writes, and its type.
@@ -138,7 +139,7 @@ def check_layout(ckpt: Any, path: str | Path, config_keys: Iterable[str]) -> Non
             c.fail(_join("'config'", k), f"is a {type(ckpt['config'][k]).__name__}, expected a setting's value")
 
 
-def check_contents(ckpt: dict[str, Any], path: str | Path, model: GNN, opt: torch.optim.Adam) -> None:
+def check_contents(ckpt: dict[str, Any], path: str | Path, model: GNN, opt: Adam) -> None:
     """Raise :class:`TesseraError` unless every tensor in ``ckpt`` (laid out as
     :func:`check_layout` checks) fits ``model`` and ``opt``, counters and history are consistent,
     and its plan is one ``model`` can train with (:func:`check_plan`)."""
@@ -189,7 +190,7 @@ def check_plan(ckpt: dict[str, Any], path: str | Path, model: GNN) -> dict[str, 
     return plan
 
 
-def _check_optimizer(c: _Check, value: Any, opt: torch.optim.Adam) -> None:
+def _check_optimizer(c: _Check, value: Any, opt: Adam) -> None:
     c.keys("'optimizer'", value, ("state", "param_groups"))
     groups, ours = value["param_groups"], opt.state_dict()["param_groups"]
     c.kind("'optimizer'['param_groups']", groups, list)

@@ -27,6 +27,7 @@ from tessera.nn.loss import cross_entropy_rows
 from tessera.threads import set_num_threads
 from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
 from tessera.train.config import TrainConfig
+from tessera.train.optim import Adam
 from tessera.train.setup import prepare
 
 CHECKPOINT = "checkpoint.pt"
@@ -92,7 +93,7 @@ class Trainer:
         self._fingerprint = shard.fingerprint
         self.strategy, self.log, self.plan = run.strategy, run.strategy.log, run.plan
         self.comm_totals: dict[str, Any] = {}
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.epoch = 0
         self.best: dict[str, Any] = {"val_acc": -1.0, "val_loss": float("inf"), "epoch": 0, "state": None}
         self.bad_epochs = 0
