@@ -6,6 +6,12 @@ graph (N x F_in times F_in x F_out forward, the input gradient, the weight gradi
 GFLOPS for both (run it under the allocator you train with: ``LD_PRELOAD`` jemalloc or not).
 
     python benchmarks/bench_dense.py --threads 2
+
+``--bf16`` prints instead, per product, fp32 into a kept output (``torch.mm(out=)``, MKL) against
+bfloat16 inputs and output (torch's oneDNN bf16 GEMM): whether half-width storage would make the
+GEMMs of a step faster on this CPU.
+
+    python benchmarks/bench_dense.py --threads 2 --bf16
 """
 
 from __future__ import annotations
@@ -52,6 +58,25 @@ def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
     print(f"| {name} | {1e3 * t_ref:.1f} | {flops / t_ref / 1e9:.0f} | - | - | - |")
 
 
+def bf16_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
+    """Print the fp32 vs bf16 rows of one ``fi -> fo`` layer (fp32 into a kept output)."""
+    x, w, g = torch.randn(rows, fi), torch.randn(fi, fo), torch.randn(rows, fo)
+    xb, wb, gb = x.bfloat16(), w.bfloat16(), g.bfloat16()
+    flops = 2.0 * rows * fi * fo
+    y, gx, gw = torch.empty(rows, fo), torch.empty(rows, fi), torch.empty(fi, fo)
+    cases = {
+        f"forward x W, {rows}x{fi} . {fi}x{fo}": (lambda: torch.mm(x, w, out=y), lambda: xb.mm(wb)),
+        f"input grad g W^T, {rows}x{fo} . {fo}x{fi}": (lambda: torch.mm(g, w.t(), out=gx), lambda: gb.mm(wb.t())),
+        f"weight grad x^T g, {fi}x{rows} . {rows}x{fo}": (lambda: torch.mm(x.t(), g, out=gw), lambda: xb.t().mm(gb)),
+    }
+    for name, (fp32, bf16) in cases.items():
+        t32, t16 = median_s(fp32, repeats), median_s(bf16, repeats)
+        print(
+            f"| {name} | {1e3 * t32:.1f} | {flops / t32 / 1e9:.0f} | {1e3 * t16:.1f} "
+            f"| {flops / t16 / 1e9:.0f} | {t32 / t16:.2f}x |"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the markdown table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -59,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dims", type=int, nargs="+", default=[128, 256, 40], help="layer widths")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--bf16", action="store_true", help="fp32 (kept output) vs bfloat16 products instead")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     set_num_threads(a.threads)
@@ -66,10 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{a.rows:,} rows, widths {a.dims}, {a.threads} threads, median of {a.repeats}; oneDNN path: {_usable(torch.ones(1, 1))}"
     )
     print()
-    print("| product | torch.mm ms | GFLOPS | tessera ms | GFLOPS | speed-up |")
+    if a.bf16:
+        print("| product | fp32 ms | GFLOPS | bf16 ms | GFLOPS | bf16 speed-up |")
+    else:
+        print("| product | torch.mm ms | GFLOPS | tessera ms | GFLOPS | speed-up |")
     print("|---|---:|---:|---:|---:|---:|")
     for fi, fo in zip(a.dims[:-1], a.dims[1:], strict=False):
-        layer_rows(a.rows, fi, fo, a.repeats)
+        (bf16_rows if a.bf16 else layer_rows)(a.rows, fi, fo, a.repeats)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ backend choices read from disk).
 
     python benchmarks/bench_startup.py --dataset synthetic:products --models gcn sage gin gat \\
         --epochs 4 --threads 2 --runs cold warm --md out.md
+
+``--first-touch GIB`` measures the machine instead: a fresh process writes ``GIB`` GiB of new
+memory in 256 MiB pieces, twice (the second time into pages the first process just freed), and
+prints seconds per GiB: what a first epoch pays for memory no earlier epoch has used.
 """
 
 from __future__ import annotations
@@ -64,6 +68,28 @@ print(json.dumps({"import_s": t_import, "load_s": t_load, "setup_s": t_setup, "e
 """
 
 
+TOUCH = r"""
+import json, sys, time
+import numpy as np
+pieces, keep = int(sys.argv[1]), []
+t0 = time.perf_counter()
+for _ in range(pieces):
+    a = np.empty(64 << 20, np.float32)  # 256 MiB
+    a.fill(1.0)
+    keep.append(a)
+print(json.dumps({"s_per_gib": (time.perf_counter() - t0) / (pieces / 4)}))
+"""
+
+
+def first_touch(gib: float, python: str) -> list[float]:
+    """Seconds per GiB of first writes in two fresh processes, one right after the other."""
+    pieces = max(1, round(gib * 4))
+    runs = [
+        subprocess.run([python, "-c", TOUCH, str(pieces)], capture_output=True, text=True, check=True) for _ in range(2)
+    ]
+    return [json.loads(r.stdout)["s_per_gib"] for r in runs]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -76,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
     p.add_argument("--md", default=None, help="write the markdown table here")
     p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument(
+        "--first-touch", type=float, default=None, metavar="GIB", help="measure first writes of new memory instead"
+    )
     return p.parse_args(argv)
 
 
@@ -108,6 +137,12 @@ def run_child(a: argparse.Namespace, model: str, caches: Path, out: Path) -> dic
 def main(argv: list[str] | None = None) -> int:
     """Run every model cold then warm; print and write the table."""
     a = parse_args(argv)
+    if a.first_touch is not None:
+        fresh, again = first_touch(a.first_touch, a.python)
+        print(
+            f"first writes of {a.first_touch:g} GiB: {fresh:.2f} s/GiB in a fresh process, {again:.2f} s/GiB right after"
+        )
+        return 0
     rows = []
     for model in a.models:
         with tempfile.TemporaryDirectory(prefix="tessera-startup-") as tmp:
