@@ -1,9 +1,9 @@
 """Adam without torch.optim: the same arithmetic and state layout, minus torch._dynamo's import.
 
 ``torch.optim.Optimizer.__init__`` imports ``torch._dynamo`` on first use (its methods are
-wrapped by ``torch._disable_dynamo``), which cost 1.6 s of every run's set-up here and as much
-in every distributed worker (measured by ``benchmarks/bench_startup.py``'s set-up column). Full-graph
-training steps a few weight matrices once per epoch, so nothing of torch.optim's machinery is needed.
+wrapped by ``torch._disable_dynamo``): seconds of set-up in every run and every distributed
+worker (``benchmarks/bench_startup.py``'s set-up column). Full-graph training steps a few weight
+matrices once per epoch, so nothing of torch.optim's machinery is needed.
 """
 
 from __future__ import annotations
