@@ -85,7 +85,7 @@ def _load_synthetic(preset: str, seed: int, name: str | None) -> Graph:
 
 
 _CACHED_MIN_EDGES = 1_000_000  # smaller synthetic graphs generate in under a second
-_GRAPH_ARRAYS = ("indptr", "indices", "edge_type", "x", "y", "train_mask", "val_mask", "test_mask")
+_GRAPH_ARRAYS = ("indptr", "indices", "edge_weight", "edge_type", "x", "y", "train_mask", "val_mask", "test_mask")
 
 
 def _synthetic_cache_path(mod: ModuleType, preset: str, seed: int) -> Path | None:

@@ -11,7 +11,6 @@ import torch
 from tessera.graph.sorting import transpose_csr
 
 _INT32_MAX = 2**31 - 1
-_NUMPY_INDEX = {torch.int32: np.int32, torch.int64: np.int64}
 
 
 def index_dtype(num_nodes: int, num_edges: int) -> torch.dtype:
@@ -79,8 +78,8 @@ class CSRStructure:
         """Column-major CSR (computed once), used by backward passes to scatter without atomics."""
 
         def make() -> TransposedCSR:
-            idt = self.indptr.dtype
-            parts = transpose_csr(self.indptr.numpy(), self.indices.numpy(), self.num_cols, _NUMPY_INDEX[idt])
+            indptr = self.indptr.numpy()
+            parts = transpose_csr(indptr, self.indices.numpy(), self.num_cols, indptr.dtype)
             return TransposedCSR(*(torch.from_numpy(a) for a in parts))
 
         return self._derived("transpose", make)

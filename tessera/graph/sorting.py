@@ -48,24 +48,21 @@ def _sort_rows(indptr, keys, payload):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _loop_counts(indptr, indices, out):
+def _loops(indptr, indices, counts, kept):
+    # per row: how many loops r -> r it stores, and which one stays (the last; num_edges + r if none)
     for r in numba.prange(indptr.size - 1):
-        c = 0
+        c, last = 0, indices.size + r
         for q in range(indptr[r], indptr[r + 1]):
-            c += indices[q] == r
-        out[r] = c
+            if indices[q] == r:
+                c += 1
+                last = q
+        counts[r], kept[r] = c, last
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _with_self_loops(indptr, indices, new_indptr, out_indices, take):
-    # row r: its entries but loops, plus one loop r -> r, sources stably sorted. take[p] is the
-    # old entry id of position p; for the loop, the row's last stored loop, or num_edges + r if none.
-    e = indices.size
+def _with_self_loops(indptr, indices, kept, new_indptr, out_indices, take):
+    # row r: its entries but loops, plus one loop r -> r (entry kept[r]), sources stably sorted
     for r in numba.prange(indptr.size - 1):
-        loop = e + r
-        for q in range(indptr[r], indptr[r + 1]):
-            if indices[q] == r:
-                loop = q
         p = new_indptr[r]
         placed = False
         for q in range(indptr[r], indptr[r + 1]):
@@ -73,13 +70,13 @@ def _with_self_loops(indptr, indices, new_indptr, out_indices, take):
             if c == r:
                 continue
             if not placed and c > r:
-                out_indices[p], take[p] = r, loop
+                out_indices[p], take[p] = r, kept[r]
                 p += 1
                 placed = True
             out_indices[p], take[p] = c, q
             p += 1
         if not placed:
-            out_indices[p], take[p] = r, loop
+            out_indices[p], take[p] = r, kept[r]
             p += 1
         _sort_span(out_indices, take, new_indptr[r], p)  # linear on a row already sorted
 
@@ -115,18 +112,18 @@ def with_self_loops(indptr: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
     n = indptr.size - 1
     sync_numba_threads()
-    loops = np.empty(n, np.int64)
-    _loop_counts(indptr, indices, loops)
+    loops, kept = np.empty(n, np.int64), np.empty(n, np.int64)
+    _loops(indptr, indices, loops, kept)
     new_indptr = np.zeros(n + 1, np.int64)
     np.cumsum(np.diff(indptr) - loops + 1, out=new_indptr[1:])
     out = np.empty(int(new_indptr[-1]), np.int64)
     take = np.empty(out.size, np.int64)
-    _with_self_loops(indptr, indices, new_indptr, out, take)
+    _with_self_loops(indptr, indices, kept, new_indptr, out, take)
     return new_indptr, out, take
 
 
 def transpose_csr(
-    indptr: np.ndarray, indices: np.ndarray, num_cols: int, dtype: type = np.int64
+    indptr: np.ndarray, indices: np.ndarray, num_cols: int, dtype: np.dtype | type = np.int64
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Column-major form of a CSR: ``(t_indptr, t_indices, perm)`` with ``t_indices`` the rows of
     each column's entries (ascending; duplicates in stored order) and ``perm`` each transposed
