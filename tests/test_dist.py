@@ -46,6 +46,13 @@ def _config(dataset, model, mode, out, strategy="partition"):
 
 
 RUNS = [("partition", m, mode) for m in MODELS for mode in MODES] + [("tensor", m, "") for m in TENSOR_MODELS]
+# A graph with edge weights, which GCN's normalisation multiplies by: the halo's A, S and R carry them.
+WEIGHTED = "synthetic:small"
+
+
+def _weighted_graph():
+    g = load(WEIGHTED)
+    return g.replace(edge_weight=torch.rand(g.num_edges, generator=torch.Generator().manual_seed(0)) + 0.5)
 
 
 def _worker(rank, world, port, datasets, out_dir):
@@ -58,7 +65,7 @@ def _worker(rank, world, port, datasets, out_dir):
     # when numba's pool starts, and ranks spinning two OpenMP threads each on 2 cores crawl.
     set_num_threads(1)
     comm = init_from_env(120)
-    results = {"partition": {}, "tensor": {}}
+    results = {"partition": {}, "tensor": {}, "weighted": {}}
     try:
         for ds, root in datasets:
             if root:
@@ -79,6 +86,15 @@ def _worker(rank, world, port, datasets, out_dir):
                 }
                 if strategy == "tensor":
                     res["counts"] = t.strategy.plan.counts
+        g = _weighted_graph()
+        for mode in MODES:
+            out = Path(out_dir) / f"{world}-weighted-{mode}"
+            t = Trainer(_config(WEIGHTED, "gcn", mode, out), g, comm)
+            t.fit()
+            results["weighted"][mode] = {
+                "loss": [h["train_loss"] for h in t.history],
+                "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
+            }
     finally:
         shutdown()
     if rank == 0:
@@ -101,6 +117,9 @@ def single_process(datasets, tmp_path_factory):
                         "loss": [h["train_loss"] for h in t.history],
                         "params": t.model.state_dict(),
                     }
+        t = Trainer(_config(WEIGHTED, "gcn", "prepost", tmp_path_factory.mktemp("ref")), _weighted_graph())
+        t.fit()
+        ref["weighted"] = {"loss": [h["train_loss"] for h in t.history], "params": t.model.state_dict()}
     return ref
 
 
@@ -127,6 +146,9 @@ def test_partition_parallel_matches_single_process(world, group_runs, datasets, 
     for key, res in got.items():
         ds, model, mode = key.split("|")
         _assert_matches(res, single_process[f"partition|{ds}|{model}"], key)
+    assert sorted(group_runs[world]["weighted"]) == sorted(MODES)
+    for mode, res in group_runs[world]["weighted"].items():
+        _assert_matches(res, single_process["weighted"], f"weighted GCN, {mode}")
 
 
 def tensor_bytes(counts: list[int], width: int) -> int:

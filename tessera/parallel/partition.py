@@ -9,7 +9,8 @@ runs while it is in flight.
 
 Everything a rank needs is local: self loops only touch ``A``, and GCN's symmetric normalisation
 factorises as ``D^-1/2 Â D^-1/2 x = dis * (Â (dis * x))`` with ``dis_i`` computed from ``i``'s own
-in-edges, so a rank built from its part file alone trains the same model.
+in-edges (and is kept in the values of ``A``, ``S`` and ``R``), so a rank built from its part file
+alone trains the same model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.backends import local_operand
+from tessera.backends import LocalOperand
 from tessera.comm.accounting import FORWARD, CommLog, Timer
 from tessera.comm.exchange import Exchange
 from tessera.errors import ConfigError
@@ -38,13 +39,12 @@ from tessera.sparse import LayerSpec, Operand
 @dataclass
 class HaloMatrices:
     """One variant of a rank's plan as CSR matrices: ``A`` (owned x owned), ``S`` (sent x owned),
-    ``R`` (owned x received), the global in-degree of every owned row and GCN's ``dis`` scale."""
+    ``R`` (owned x received) and the global in-degree of every owned row."""
 
     A: CSRMatrix
     S: CSRMatrix
     R: CSRMatrix
     in_degree: torch.Tensor
-    scale: torch.Tensor | None = None
 
 
 class HaloPlan:
@@ -72,17 +72,28 @@ class HaloPlan:
             a_indptr, a_cols, a_w, deg, in_weight = _with_self_loops(
                 a_indptr, a_cols, a_w, deg, in_weight, 2.0 if improved else 1.0
             )
-        scale = None
+        s_w, r_w = (p.S.weight, p.R.weight) if weighted else (None, None)
         if kind == "gcn":
+            # D^-1/2 Â D^-1/2 folded into the values: A' = D A D, S' = S D (rows sent are built from
+            # owned sources), R' = D R (received rows land in owned destinations); dis is local.
             dis = np.where(in_weight > 0, 1.0 / np.sqrt(np.maximum(in_weight, 1e-300)), 0.0)
-            scale = torch.from_numpy(dis.astype(np.float32))
+            a_w = _ones_if_none(a_w, a_cols.size) * dis[rows_of(a_indptr)] * dis[a_cols]
+            s_w = _ones_if_none(s_w, p.S.indices.size) * dis[p.S.indices]
+            r_w = _ones_if_none(r_w, p.R.indices.size) * dis[rows_of(p.R.indptr)]
         return HaloMatrices(
-            CSRMatrix.from_numpy(a_indptr, a_cols, a_w, n, n),
-            CSRMatrix.from_numpy(p.S.indptr, p.S.indices, p.S.weight if weighted else None, p.S.n_rows, n),
-            CSRMatrix.from_numpy(p.R.indptr, p.R.indices, p.R.weight if weighted else None, n, p.R.n_cols),
+            CSRMatrix.from_numpy(a_indptr, a_cols, _f32(a_w), n, n),
+            CSRMatrix.from_numpy(p.S.indptr, p.S.indices, _f32(s_w), p.S.n_rows, n),
+            CSRMatrix.from_numpy(p.R.indptr, p.R.indices, _f32(r_w), n, p.R.n_cols),
             torch.from_numpy(np.asarray(deg, dtype=np.int64)),
-            scale,
         )
+
+
+def _ones_if_none(w: np.ndarray | None, size: int) -> np.ndarray:
+    return np.ones(size) if w is None else w.astype(np.float64)
+
+
+def _f32(w: np.ndarray | None) -> np.ndarray | None:
+    return None if w is None else w.astype(np.float32)
 
 
 def _with_self_loops(indptr, cols, w, deg, in_weight, fill: float):
@@ -123,20 +134,16 @@ class HaloOperand(ExchangeOperand):
     def num_cols(self) -> int:
         return self.m.A.num_cols
 
-    def _scaled(self, t: torch.Tensor) -> torch.Tensor:
-        s = self.m.scale
-        return t if s is None else t * s.to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
-
     def _product(self, h: torch.Tensor, direction: int) -> torch.Tensor:
         """``A h + R . exchange(S h)`` forward, ``A^T g + S^T . exchange_back(R^T g)`` backward."""
         m, ex, log, layer = self.m, self.plan.exchange, self.plan.exchange.log, self.layer
         first, last = (m.S, m.R) if direction == FORWARD else (m.R, m.S)
 
         def mul(mat: CSRMatrix, t: torch.Tensor) -> torch.Tensor:
-            a = local_operand(mat, self.plan.backend)
+            a = LocalOperand(mat, self.plan.backend, mat.edge_weight)
             return a.spmm(t) if direction == FORWARD else a.spmm_t(t)
 
-        h = self._scaled(h).contiguous()
+        h = h.contiguous()
         with Timer(log, layer, direction, "compute_s"):
             out_rows = mul(first, h)
         pending = ex.start(out_rows, layer, direction)
@@ -144,8 +151,8 @@ class HaloOperand(ExchangeOperand):
             out = mul(m.A, h)
         received = ex.finish(pending)
         with Timer(log, layer, direction, "compute_s"):
-            out = out + mul(last, received)
-        return self._scaled(out)
+            out += mul(last, received)
+        return out
 
     def in_degree(self) -> torch.Tensor:
         return self.m.in_degree
