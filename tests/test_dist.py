@@ -25,8 +25,9 @@ EPOCHS = 20
 WORLDS = (2, 3, 4)
 
 
-def _config(dataset, model, mode, out, strategy="partition"):
+def _config(dataset, model, mode, out, strategy="partition", reorder="auto"):
     return TrainConfig(
+        reorder=reorder,
         strategy=strategy,
         dataset=dataset,
         model=model,
@@ -46,6 +47,8 @@ def _config(dataset, model, mode, out, strategy="partition"):
 
 
 RUNS = [("partition", m, mode) for m in MODELS for mode in MODES] + [("tensor", m, "") for m in TENSOR_MODELS]
+# Distributed runs renumber the whole graph (--reorder) before splitting it: same training.
+REORDERED = [("partition", "gcn", "rcm"), ("partition", "sage", "metis"), ("tensor", "gcn", "degree")]
 # A graph with edge weights, which GCN's normalisation multiplies by: the halo's A, S and R carry them.
 WEIGHTED = "synthetic:small"
 
@@ -65,7 +68,7 @@ def _worker(rank, world, port, datasets, out_dir):
     # when numba's pool starts, and ranks spinning two OpenMP threads each on 2 cores crawl.
     set_num_threads(1)
     comm = init_from_env(120)
-    results = {"partition": {}, "tensor": {}, "weighted": {}}
+    results = {"partition": {}, "tensor": {}, "weighted": {}, "reordered": {}}
     try:
         for ds, root in datasets:
             if root:
@@ -86,6 +89,16 @@ def _worker(rank, world, port, datasets, out_dir):
                 }
                 if strategy == "tensor":
                     res["counts"] = t.strategy.plan.counts
+        g = load("synthetic:small")
+        for strategy, model, reorder in REORDERED:
+            out = Path(out_dir) / f"{world}-{strategy}-{model}-{reorder}"
+            t = Trainer(_config("synthetic:small", model, "prepost", out, strategy, reorder), g, comm)
+            t.fit()
+            results["reordered"][f"{strategy}|{model}|{reorder}"] = {
+                "loss": [h["train_loss"] for h in t.history],
+                "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
+                "rows_in_id_order": bool((t.global_ids.diff() > 0).all()),
+            }
         g = _weighted_graph()
         for mode in MODES:
             out = Path(out_dir) / f"{world}-weighted-{mode}"
@@ -146,6 +159,12 @@ def test_partition_parallel_matches_single_process(world, group_runs, datasets, 
     for key, res in got.items():
         ds, model, mode = key.split("|")
         _assert_matches(res, single_process[f"partition|{ds}|{model}"], key)
+    reordered = group_runs[world]["reordered"]
+    assert len(reordered) == len(REORDERED)
+    for key, res in reordered.items():
+        strategy, model, reorder = key.split("|")
+        assert not res["rows_in_id_order"], key  # the rank's rows follow the new numbering
+        _assert_matches(res, single_process[f"{strategy}|synthetic:small|{model}"], key)
     assert sorted(group_runs[world]["weighted"]) == sorted(MODES)
     for mode, res in group_runs[world]["weighted"].items():
         _assert_matches(res, single_process["weighted"], f"weighted GCN, {mode}")

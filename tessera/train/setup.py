@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from tessera.comm.group import Comm
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.formats import format_bytes, memory_limit
-from tessera.graph.order import VertexOrder
+from tessera.graph.order import METHODS, VertexOrder
 from tessera.nn import build_model
 from tessera.nn.models import GNN
 from tessera.parallel import Shard, Strategy, StrategyOptions, make_strategy
@@ -27,6 +26,27 @@ from tessera.sparse import Operand
 from tessera.train.checkpoint import check_plan
 from tessera.train.config import TrainConfig
 from tessera.train.planning import layer_choices
+
+
+def _distributed_order(
+    source: Graph | dict[str, Any], setting: str, widths: list[int], backend: str, comm: Comm
+) -> VertexOrder | None:
+    """The order a distributed run renumbers the whole graph by (None: none, or part files): rank 0
+    resolves ``setting`` (``auto`` times the orders on rank 0's backends) and computes it, and every
+    rank receives its permutation, so all ranks split one numbering."""
+    if not isinstance(source, Graph):
+        return None
+    code = torch.zeros(1, dtype=torch.int64)
+    perm = torch.empty(source.num_nodes, dtype=torch.int64)
+    if comm.rank == 0:
+        method = resolve(source, setting, widths, backend)
+        code[0] = METHODS.index(method)
+        if method != "none":
+            perm = VertexOrder.of(source, method, max(widths)).perm
+    method = METHODS[int(comm.broadcast(code)[0])]
+    if method == "none":
+        return None
+    return VertexOrder.from_perm(comm.broadcast(perm).numpy(), method)
 
 
 def prepare_features(
@@ -157,6 +177,13 @@ def prepare(
         cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages, cfg.groups
     )
     plan = None
+    # A distributed run renumbers the whole graph before planning and splitting it, so each rank's
+    # rows (its part's vertices in increasing new id) come in locality order; shard.ids maps back.
+    widths = [spec.aggregate_width for spec in model.describe()]
+    renumbered = _distributed_order(source, cfg.reorder, widths, cfg.backend, comm) if distributed else None
+    original = source
+    if renumbered is not None:
+        source = renumbered.permute(source)
     if distributed:
         resumed = check_plan(checkpoint[1], checkpoint[0], model) if checkpoint is not None else None
         choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed)
@@ -167,13 +194,13 @@ def prepare(
         strategy = make_strategy("single", comm, options)
     specs = model.describe()
     strategy.check(specs)
-    if distributed and cfg.reorder not in ("auto", "none") and comm.rank == 0:
-        warnings.warn(f"--reorder {cfg.reorder} is ignored in distributed runs", RuntimeWarning, stacklevel=3)
     order = None
     if not isinstance(source, Graph):
         shard = strategy.shard_from_part(source)
     elif distributed:
         shard = strategy.shard(source)
+        if renumbered is not None:
+            shard.ids, shard.fingerprint = renumbered.ids_to_original(shard.ids), original.fingerprint()
     else:
         method = resolve(source, cfg.reorder, [s.aggregate_width for s in specs], cfg.backend)
         if method != "none":
@@ -185,7 +212,7 @@ def prepare(
     local = torch.tensor([float(shard.masks[k].sum()) for k in SPLITS] + [float((shard.x < 0).sum())])
     total = comm.all_reduce_sum(local)
     # the shard's rows are a copy (renumbered or another rank's slice) unless it is the caller's graph
-    owned = not (isinstance(source, Graph) and shard.x is source.x)
+    owned = not (isinstance(original, Graph) and shard.x is original.x)
     x = prepare_features(shard.x, cfg.feature_norm, non_negative=bool(total[3] == 0), in_place=owned)
     operands = [strategy.operand(spec, i) for i, spec in enumerate(specs)]
     counts = {k: int(total[i]) for i, k in enumerate(SPLITS)}
