@@ -77,7 +77,10 @@ def _mlp(a: int, b: int, hidden: int) -> nn.Module:
 
 # ---------------------------------------------------------------------------------- tessera
 def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], cfg: dict[str, Any]) -> Built:
-    """tessera's own model on a ``tessera.Graph`` built from the CSR arrays."""
+    """tessera's own model on a ``tessera.Graph`` built from the CSR arrays, renumbered by
+    ``cfg["reorder"]`` as ``tessera train --reorder`` does (``auto``: the measured locality order,
+    if any); a renumbering permutes ``arrays``' per-vertex rows (x, y, masks) in place of the
+    originals, so the caller trains on the same vertices in the new numbering."""
     from tessera.backends import available_backends
     from tessera.graph import Graph
     from tessera.nn import build_model
@@ -103,7 +106,23 @@ def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any
         "backend_requested": cfg["backend"],
         "backends_available": available_backends(),
         "index_dtype": str(g.indices.dtype),
+        "vertex_order": "none",
     }
+    setting = cfg.get("reorder", "none")
+    if setting != "none":
+        from tessera.backends.ordering import resolve
+        from tessera.graph.order import VertexOrder
+
+        widths = [spec.aggregate_width for spec in m.describe()]
+        method = resolve(g, setting, widths, cfg["backend"])
+        if method != "none":
+            order = VertexOrder.of(g, method, max(widths))
+            g = order.permute(g, features=False)
+            perm = order.perm.numpy()
+            for key in ("x", "y", "train_mask", "val_mask", "test_mask"):
+                if key in arrays:
+                    arrays[key] = arrays[key][perm]
+            info["vertex_order"] = method
     return m, lambda mod, x: mod(x, g), info
 
 

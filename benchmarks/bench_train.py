@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tessera-backend", default="auto")
     p.add_argument(
+        "--tessera-reorder",
+        default="auto",
+        choices=("auto", "none", "rcm", "metis", "degree"),
+        help="tessera's vertex order, as tessera train --reorder (default auto, what tessera train does)",
+    )
+    p.add_argument(
         "--tessera-tree",
         action="append",
         default=[],
@@ -404,6 +410,7 @@ def _one(
         "lr": 0.01,
         "weight_decay": 5e-4,
         "backend": a.tessera_backend,
+        "reorder": a.tessera_reorder,
     }
     child_env = {**thread_env(a.threads), **env}
     if tree is not None:
@@ -532,7 +539,7 @@ def render(
         f"- tessera/PyG env: torch {vm.get('torch')}, torch_geometric {vm.get('torch_geometric')}, "
         f"numba {vm.get('numba')}, numpy {vm.get('numpy')}, torch_sparse {vm.get('torch_sparse') or 'absent'}, "
         f"pyg_lib {vm.get('pyg_lib') or 'absent'}; tessera backends {vm.get('tessera_backends')}, "
-        f"requested `{a.tessera_backend}`; git {facts['git'].get('commit')}"
+        f"requested `{a.tessera_backend}`, vertex order `{a.tessera_reorder}`; git {facts['git'].get('commit')}"
         + (" (tessera/ has uncommitted changes)" if facts["git"].get("tessera_dirty") else ""),
     ]
     if "dgl" in frameworks:
