@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,17 +49,28 @@ class Comm:
         """The collective backend for this group's tensors."""
         return backend_for(self.device)
 
+    def _collective(self, t: torch.Tensor, run: Callable[[torch.Tensor], object]) -> torch.Tensor:
+        """``run`` (an in-place collective) on ``t``, through a copy on this group's device when
+        ``t`` lives elsewhere (NCCL takes CUDA tensors only); returns ``t``."""
+        if self.world == 1:
+            return t
+        on = t if t.device == self.device else t.to(self.device)
+        run(on)
+        if on is not t:
+            t.copy_(on)
+        return t
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """In-place sum over all ranks (no-op for one rank); returns ``t``."""
-        if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
-        return t
+        return self._collective(t, lambda x: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group))
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place maximum over all ranks (no-op for one rank); returns ``t``."""
+        return self._collective(t, lambda x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group))
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In-place broadcast from member ``src``; returns ``t``."""
-        if self.world > 1:
-            dist.broadcast(t, self.job_ranks()[src], group=self.group)
-        return t
+        return self._collective(t, lambda x: dist.broadcast(x, self.job_ranks()[src], group=self.group))
 
     def barrier(self) -> None:
         """Wait for every member."""

@@ -68,8 +68,8 @@ def _best(fn: Callable[[], object], comm: Comm | None = None) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     t = torch.tensor([min(times)], dtype=torch.float64)
-    if comm is not None and comm.world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if comm is not None:
+        comm.all_reduce_max(t)
     return float(t[0])
 
 

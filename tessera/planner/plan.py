@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tessera.backends import select
 from tessera.comm.group import Comm
@@ -197,8 +196,7 @@ def measure_candidate(
         times.append(time.perf_counter() - t0)
     times = times[1:]
     t = torch.tensor([min(times)], dtype=torch.float64)
-    if comm.world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    comm.all_reduce_max(t)
     return float(t[0])
 
 
