@@ -129,8 +129,9 @@ def measure_link(comm: Comm, values: int = 1 << 20) -> tuple[float, float]:
         return float("inf"), 0.0
 
     def a2a(n: int) -> Callable[[], None]:
-        src, dst = torch.ones(n * p), torch.empty(n * p)
-        return lambda: dist.all_to_all_single(dst, src)
+        src = torch.ones(n * p, device=comm.device)
+        dst = torch.empty(n * p, device=comm.device)
+        return lambda: dist.all_to_all_single(dst, src, group=comm.group)
 
     small = _best(a2a(1), comm)
     large = _best(a2a(values), comm)
