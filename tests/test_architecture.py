@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tessera"
 LAYERS = ["base", "graph", "sparse", "backends", "comm", "parallel", "planner", "nn", "train", "cli"]
 LAYER_OF_TOP = {
     "errors": "base",
+    "digest": "base",
     "files": "base",
     "memo": "base",
     "threads": "base",

@@ -6,19 +6,30 @@ import torch
 
 from tessera.graph import Graph
 from tessera.graph.graph import all_finite
-from tessera.graph.sorting import sort_rows, transpose_csr
+from tessera.graph.sorting import mirror_transpose, renumbered_csr, transpose_csr
 
 
-def test_sort_rows_is_a_stable_sort_within_each_row():
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_renumbered_rows_are_the_stable_sort_of_the_renamed_edges(dtype):
     rng = np.random.default_rng(0)
-    indptr = np.array([0, 0, 3, 103, 110])  # an empty row, short rows, one over 64 (the merge sort)
-    keys = rng.integers(0, 20, 110)  # many ties: stability is visible
-    payload = np.arange(110)
-    want = np.concatenate([np.argsort(keys[a:b], kind="stable") + a for a, b in zip(indptr[:-1], indptr[1:])])
-    want_keys = keys[want]
-    sort_rows(indptr, keys, payload)
-    assert np.array_equal(payload, want)
-    assert np.array_equal(keys, want_keys)
+    n = 50
+    # a hub row over 64 entries (the merge sort), an empty row, many duplicate edges
+    dst = np.concatenate([rng.integers(0, n, 800), np.full(120, 9), [4, 4, 4]])
+    src = np.concatenate([rng.integers(0, n, 800), rng.integers(0, n, 120), [6, 6, 6]])
+    dst[dst == 13] = 14
+    order = np.argsort(dst, kind="stable")  # grouped by row, sources unsorted
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=indptr[1:])
+    perm = rng.permutation(n)
+    inv = np.argsort(perm)
+    got_indptr, got_src, eid = renumbered_csr(indptr.astype(dtype), src[order].astype(dtype), perm, inv)
+    # the reference: every stored entry renamed, then sorted by (new row, new source, stored position)
+    new_dst, new_src = inv[dst[order]], inv[src[order]]
+    want = np.lexsort((np.arange(dst.size), new_src, new_dst))
+    assert got_indptr.dtype == got_src.dtype == eid.dtype == dtype
+    assert np.array_equal(eid, want)
+    assert np.array_equal(got_src, new_src[want])
+    assert np.array_equal(got_indptr[1:], np.cumsum(np.bincount(new_dst, minlength=n)))
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -84,3 +95,75 @@ def test_add_self_loops_equals_rebuilding_from_edges(sorted_rows):
     assert torch.equal(got.indptr, want.indptr)
     assert torch.equal(got.indices, want.indices)
     assert torch.equal(got.edge_weight, want.edge_weight)
+
+
+def _symmetric_csr(rng, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted-row CSR of a random undirected multigraph: every edge stored both ways, duplicates
+    and self loops included, a hub row over 64 entries."""
+    a = np.concatenate([rng.integers(0, n, m), np.full(80, 3), [5, 5]])
+    b = np.concatenate([rng.integers(0, n, m), rng.integers(0, n, 80), [5, 5]])
+    dst, src = np.concatenate([a, b]), np.concatenate([b, a])
+    order = np.lexsort((src, dst))
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(dst, minlength=n), out=indptr[1:])
+    return indptr, src[order]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_mirror_transpose_is_transpose_csr_for_symmetric_structure(dtype):
+    rng = np.random.default_rng(3)
+    n = 40
+    indptr, indices = (a.astype(dtype) for a in _symmetric_csr(rng, n, 500))
+    t_indptr, t_indices, want = transpose_csr(indptr, indices, n, dtype)
+    assert np.array_equal(t_indptr, indptr) and np.array_equal(t_indices, indices)  # it is symmetric
+    perm = np.empty(indices.size, dtype)
+    assert mirror_transpose(indptr, indices, perm)
+    assert np.array_equal(perm, want)
+    g = Graph.from_csr(indptr, indices, n)
+    t = g.transpose()
+    assert t.indices is g.indices and t.indptr is g.indptr and np.array_equal(t.perm.numpy(), want)
+
+
+def test_mirror_transpose_refuses_asymmetric_or_unsorted_structure():
+    rng = np.random.default_rng(4)
+    n = 40
+    indptr, indices = _symmetric_csr(rng, n, 500)
+    perm = np.empty(indices.size, np.int64)
+    one_way = indices.copy()
+    row = int(np.searchsorted(indptr, indices.size // 2, side="right")) - 1
+    one_way[indptr[row + 1] - 1] = n - 1 if one_way[indptr[row + 1] - 1] != n - 1 else n - 2  # one edge retargeted
+    one_way[indptr[row] : indptr[row + 1]].sort()
+    assert not mirror_transpose(indptr, one_way, perm)
+    extra = np.insert(indices, indptr[7], indices[indptr[7]])  # one more copy of a duplicate, one way only
+    assert not mirror_transpose(np.concatenate([indptr[:8], indptr[8:] + 1]), extra, np.empty(extra.size, np.int64))
+    unsorted = indices.copy()
+    unsorted[indptr[3] : indptr[4]] = unsorted[indptr[3] : indptr[4]][::-1]  # row 3 (the hub) reversed
+    assert not mirror_transpose(indptr, unsorted, perm)
+    g = Graph.from_csr(indptr, one_way, n)  # a Graph that is not symmetric gets the counting transpose
+    t = g.transpose()
+    want = transpose_csr(g.indptr.numpy(), g.indices.numpy(), n, np.int32)
+    assert t.indices is not g.indices
+    assert all(np.array_equal(x.numpy(), y) for x, y in zip((t.indptr, t.indices, t.perm), want))
+
+
+@pytest.mark.parametrize("symmetric_values", [True, False])
+def test_transposed_product_of_a_symmetric_graph(symmetric_values):
+    """spmm_t through the shared structure equals the dense ``A^T g``; symmetric values (GCN's
+    normalisation) are used as they are, others in transposed order."""
+    from tessera.backends import get_backend
+
+    rng = np.random.default_rng(5)
+    n = 40
+    indptr, indices = _symmetric_csr(rng, n, 500)
+    g = Graph.from_csr(indptr, indices, n)
+    w = g.gcn_norm(add_self_loops=False).edge_weight if symmetric_values else torch.rand(g.num_edges)
+    dense = torch.zeros(n, n, dtype=torch.float64).index_put_(
+        (g.dst_index(), g.src_index()), w.double(), accumulate=True
+    )
+    x = torch.randn(n, 16)
+    for name in ("csr", "reference"):
+        backend = get_backend(name)
+        wt = backend.transposed_weight(g, w)
+        assert (wt is w) == symmetric_values
+        got = backend.spmm_t(g, x, w)
+        torch.testing.assert_close(got.double(), dense.T @ x.double(), rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ import torch
 from tessera import workspace
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
+from tessera.graph.sorting import same_through
 from tessera.memo import PlanCache
 
 
@@ -65,14 +66,24 @@ class Backend(ABC):
         memo = self.plans.get(graph, "transposed_weight", dict)
         hit = memo.get(weight.dtype)
         if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-            return hit[2]
-        wt = weight.detach().index_select(0, perm)
-        self.keep_transposed_weight(graph, weight, wt)
+            return weight if hit[2] is None else hit[2]
+        w = weight.detach()
+        # a symmetric matrix's symmetric values (GCN's D^-1/2 A D^-1/2 of an undirected graph) are their own
+        # transpose: no copy kept
+        mirrored = (
+            graph.transpose().indices is graph.indices
+            and w.dim() == 1
+            and w.device.type == perm.device.type == "cpu"
+            and same_through(w.numpy(), perm.numpy())
+        )
+        wt = weight if mirrored else w.index_select(0, perm)
+        self.keep_transposed_weight(graph, weight, None if mirrored else wt)
         return wt
 
-    def keep_transposed_weight(self, graph: CSRStructure, weight: torch.Tensor, wt: torch.Tensor) -> None:
+    def keep_transposed_weight(self, graph: CSRStructure, weight: torch.Tensor, wt: torch.Tensor | None) -> None:
         """Use ``wt`` as :meth:`transposed_weight` of ``weight`` (fixed, not requiring grad) while
-        ``weight`` is alive and unchanged (one permuted elsewhere, such as a shared copy)."""
+        ``weight`` is alive and unchanged (one permuted elsewhere, such as a shared copy; None:
+        ``weight`` itself)."""
         memo = self.plans.get(graph, "transposed_weight", dict)
         memo[weight.dtype] = (weakref.ref(weight), weight._version, wt)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tessera.graph.sorting import transpose_csr
+from tessera.graph.sorting import mirror_transpose, transpose_csr
 
 _INT32_MAX = 2**31 - 1
 
@@ -75,11 +75,16 @@ class CSRStructure:
         return self._derived("outdeg", lambda: torch.bincount(self.src_index(), minlength=self.num_cols))
 
     def transpose(self) -> TransposedCSR:
-        """Column-major CSR (computed once), used by backward passes to scatter without atomics."""
+        """Column-major CSR (computed once), used by backward passes to scatter without atomics.
+        A structurally symmetric matrix's shares its row pointers and sources (only ``perm`` is new)."""
 
         def make() -> TransposedCSR:
-            indptr = self.indptr.numpy()
-            parts = transpose_csr(indptr, self.indices.numpy(), self.num_cols, indptr.dtype)
+            indptr, indices = self.indptr.numpy(), self.indices.numpy()
+            perm = np.empty(indices.size, indptr.dtype)
+            # a symmetric matrix is its own transpose: one copy of the structure serves both
+            if self.num_rows == self.num_cols and mirror_transpose(indptr, indices, perm):
+                return TransposedCSR(self.indptr, self.indices, torch.from_numpy(perm))
+            parts = transpose_csr(indptr, indices, self.num_cols, indptr.dtype, perm)
             return TransposedCSR(*(torch.from_numpy(a) for a in parts))
 
         return self._derived("transpose", make)

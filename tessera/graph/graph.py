@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessera.digest import digest
 from tessera.errors import GraphError
 from tessera.graph.csr import CSRStructure, index_dtype
+from tessera.graph.normalize import gcn_values
 from tessera.graph.sorting import with_self_loops
 
 _MASKS = ("train_mask", "val_mask", "test_mask")
@@ -263,19 +265,27 @@ class Graph(CSRStructure):
         return torch.stack([self.src_index(), self.dst_index()])
 
     def fingerprint(self) -> str:
-        """Stable hex digest of structure, edge data and node-data shapes, for on-disk caches."""
+        """Stable hex digest of structure, edge data and node-data shapes, for on-disk caches. The
+        index arrays are hashed as stored: their dtype follows from the sizes (:func:`index_dtype`)."""
 
         def make() -> str:
-            h = hashlib.blake2b(digest_size=16)
-            h.update(f"n={self.num_nodes};e={self.num_edges};f={self.num_features};c={self.num_classes}".encode())
+            head = f"n={self.num_nodes};e={self.num_edges};f={self.num_features};c={self.num_classes}"
             if self.num_relations is not None:
-                h.update(f";r={self.num_relations}".encode())
-            for t in (self.indptr, self.indices, self.edge_weight, self.edge_type):
-                # hashed through the buffer protocol: no bytes copy of the E-entry arrays
-                h.update(b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy())
-            return h.hexdigest()
+                head += f";r={self.num_relations}"
+            return digest(head, (self.indptr, self.indices, self.edge_weight, self.edge_type))
 
         return self._derived("fingerprint", make)
+
+    def legacy_fingerprint(self) -> str:
+        """The fingerprint as tessera computed it before :mod:`tessera.digest` (blake2b of the arrays
+        widened to int64): checkpoints written then name their graph by it."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"n={self.num_nodes};e={self.num_edges};f={self.num_features};c={self.num_classes}".encode())
+        if self.num_relations is not None:
+            h.update(f";r={self.num_relations}".encode())
+        for t in (self.indptr, self.indices, self.edge_weight, self.edge_type):
+            h.update(b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy())
+        return h.hexdigest()
 
     # ------------------------------------------------------------------ transformations
     def _rebuild(self, src: torch.Tensor, dst: torch.Tensor, weight, etype) -> Graph:
@@ -306,10 +316,11 @@ class Graph(CSRStructure):
         weight = None
         if self.edge_weight is not None or fill_value != 1.0:
             base = self.edge_weight if self.edge_weight is not None else torch.ones(self.num_edges)
-            weight = torch.cat([base, torch.full((n,), float(fill_value))])[take]
+            weight = torch.cat([base, torch.full((n,), float(fill_value))]).index_select(0, take)
         etype = None
         if self.edge_type is not None:
-            etype = torch.cat([self.edge_type, torch.full((n,), int(loop_type), dtype=torch.int64)])[take]
+            loops = torch.full((n,), int(loop_type), dtype=torch.int64)
+            etype = torch.cat([self.edge_type, loops]).index_select(0, take)
         node = {k: getattr(self, k) for k in ("x", "y", *_MASKS, "num_classes", "name", "num_relations")}
         return Graph(
             torch.from_numpy(indptr), torch.from_numpy(indices), n, edge_weight=weight, edge_type=etype, **node
@@ -357,11 +368,8 @@ class Graph(CSRStructure):
         or 2 when ``improved``), then ``w_ji / sqrt(deg_i * deg_j)`` with ``deg`` the weighted
         in-degree at the destination."""
         g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
-        w = g.edge_weight if g.edge_weight is not None else torch.ones(g.num_edges)
-        deg = torch.zeros(g.num_nodes).index_add_(0, g.dst_index(), w)
-        dis = deg.pow(-0.5)
-        dis.masked_fill_(torch.isinf(dis), 0.0)
-        return g.replace(edge_weight=dis[g.src_index()] * w * dis[g.dst_index()])
+        w = None if g.edge_weight is None else g.edge_weight.numpy()
+        return g.replace(edge_weight=torch.from_numpy(gcn_values(g.indptr.numpy(), g.indices.numpy(), w)))
 
     def relation_counts(self) -> torch.Tensor:
         """Edges per relation (int64, length ``num_relations``); GraphError on an untyped graph."""

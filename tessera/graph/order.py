@@ -41,7 +41,7 @@ from tessera.errors import ConfigError
 from tessera.files import save_npy
 from tessera.graph.graph import Graph
 from tessera.graph.partition.metis import metis_graph, part_graph
-from tessera.graph.sorting import sort_rows
+from tessera.graph.sorting import renumbered_csr
 from tessera.memo import PlanCache
 
 _MASKS = ("train_mask", "val_mask", "test_mask")
@@ -187,22 +187,6 @@ def inverse_permutation(perm: Any) -> np.ndarray:
     return inv
 
 
-def _permuted_structure(graph: Graph, perm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(indptr, indices, eid)`` of the renumbered CSR; ``eid`` is each entry's old edge id.
-    Sources are sorted within each row, duplicates in their old relative order."""
-    n = graph.num_nodes
-    inv = inverse_permutation(perm)
-    indptr = graph.indptr.numpy().astype(np.int64, copy=False)
-    new_deg = np.diff(indptr)[perm]
-    new_indptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(new_deg, out=new_indptr[1:])
-    # old edge id of every new CSR position: rows in new order, each row's edges as stored
-    eid = np.repeat(indptr[:-1][perm] - new_indptr[:-1], new_deg) + np.arange(graph.num_edges, dtype=np.int64)
-    src = inv[graph.indices.numpy()[eid]]
-    sort_rows(new_indptr, src, eid)
-    return new_indptr, src, eid
-
-
 def permute_graph(graph: Graph, perm: Any, features: bool = True) -> Graph:
     """The same graph with vertex ``perm[i]`` renamed ``i``: CSR rows, sources (sorted within each
     row, as every Graph), edge weights and types, features, labels and split masks all follow.
@@ -211,12 +195,12 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True) -> Graph:
     perm = np.asarray(perm, dtype=np.int64)
     if not is_permutation(perm, n):
         raise ValueError(f"perm is not a permutation of [0, {n})")
-    indptr, src, eid = _permuted_structure(graph, perm)
+    indptr, src, eid = renumbered_csr(graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm))
     et = torch.from_numpy(eid)
     pt = torch.from_numpy(perm)
     data: dict[str, Any] = {
-        "edge_weight": None if graph.edge_weight is None else graph.edge_weight[et],
-        "edge_type": None if graph.edge_type is None else graph.edge_type[et],
+        "edge_weight": None if graph.edge_weight is None else graph.edge_weight.index_select(0, et),
+        "edge_type": None if graph.edge_type is None else graph.edge_type.index_select(0, et),
         "x": graph.x[pt] if features and graph.x is not None else None,
         "y": None if graph.y is None else graph.y[pt],
         "num_classes": graph.num_classes,

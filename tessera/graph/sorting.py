@@ -41,10 +41,14 @@ def _sort_span(keys, payload, lo, hi):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _sort_rows(indptr, keys, payload):
-    # rows are a vertex's edges: each sorts in cache, and the rows spread over the threads
-    for r in numba.prange(indptr.size - 1):
-        _sort_span(keys, payload, indptr[r], indptr[r + 1])
+def _renumbered(indptr, indices, perm, inv, new_indptr, src, eid):
+    # new row r is old row perm[r] with every source renamed, then stably sorted in place
+    for r in numba.prange(perm.size):
+        p = new_indptr[r]
+        for q in range(indptr[perm[r]], indptr[perm[r] + 1]):
+            src[p], eid[p] = inv[indices[q]], q
+            p += 1
+        _sort_span(src, eid, new_indptr[r], p)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -81,6 +85,46 @@ def _with_self_loops(indptr, indices, kept, new_indptr, out_indices, take):
         _sort_span(out_indices, take, new_indptr[r], p)  # linear on a row already sorted
 
 
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _mirror(indptr, indices, perm, bad):
+    # Row i's run of column j pairs with row j's run of column i, occurrence by occurrence: in a
+    # symmetric CSR with sorted rows that is the entry transpose_csr would place there.
+    for i in numba.prange(indptr.size - 1):
+        q, end = indptr[i], indptr[i + 1]
+        while q < end:
+            j = indices[q]
+            if q > indptr[i] and j < indices[q - 1]:
+                bad[i] = 1
+                break
+            q2 = q + 1
+            while q2 < end and indices[q2] == j:
+                q2 += 1
+            lo, hi = indptr[j], indptr[j + 1]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if indices[mid] < i:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            b2 = lo
+            while b2 < indptr[j + 1] and indices[b2] == i:
+                b2 += 1
+            if b2 - lo != q2 - q:
+                bad[i] = 1
+                break
+            for t in range(q2 - q):
+                perm[q + t] = lo + t
+            q = q2
+
+
+@numba.njit(cache=True, nogil=True)
+def _same_through(values, perm):
+    for q in range(perm.size):
+        if values[perm[q]] != values[q]:
+            return False
+    return True
+
+
 @numba.njit(cache=True, nogil=True)
 def _transpose(indptr, indices, num_cols, t_indptr, t_indices, perm):
     # Rows ascend and each row's entries ascend in position, so placing entries in that order
@@ -99,38 +143,71 @@ def _transpose(indptr, indices, num_cols, t_indptr, t_indices, perm):
             nxt[c] = p + 1
 
 
-def sort_rows(indptr: np.ndarray, keys: np.ndarray, payload: np.ndarray) -> None:
-    """Stably sort each CSR row's ``keys`` (with ``payload`` alongside) in place."""
+def renumbered_csr(
+    indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray, inv: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A square CSR with vertex ``perm[i]`` renamed ``i``: ``(indptr, indices, eid)`` in the input's
+    index dtype, ``eid`` each entry's old entry id; sources stably sorted within each row."""
+    indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
+    perm, inv = np.ascontiguousarray(perm), np.ascontiguousarray(inv)
+    new_indptr = np.zeros(perm.size + 1, indptr.dtype)
+    np.cumsum(np.diff(indptr)[perm], out=new_indptr[1:])
+    src, eid = np.empty(indices.size, indices.dtype), np.empty(indices.size, indices.dtype)
     sync_numba_threads()
-    _sort_rows(np.ascontiguousarray(indptr), keys, payload)
+    _renumbered(indptr, indices, perm, inv, new_indptr, src, eid)
+    return new_indptr, src, eid
 
 
 def with_self_loops(indptr: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A square CSR with exactly one self loop per row: ``(indptr, indices, take)`` (int64), where
-    ``take`` holds each entry's old entry id; a row's loop is its last stored loop, or, if it had
-    none, ``num_edges + row``. Sources stay stably sorted within each row."""
+    """A square CSR with exactly one self loop per row: ``(indptr, indices, take)``, where ``take``
+    holds each entry's old entry id; a row's loop is its last stored loop, or, if it had none,
+    ``num_edges + row``. Sources stay stably sorted within each row. int32 where every id and
+    offset fits (as :func:`~tessera.graph.csr.index_dtype`), else int64."""
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
     n = indptr.size - 1
     sync_numba_threads()
     loops, kept = np.empty(n, np.int64), np.empty(n, np.int64)
     _loops(indptr, indices, loops, kept)
-    new_indptr = np.zeros(n + 1, np.int64)
-    np.cumsum(np.diff(indptr) - loops + 1, out=new_indptr[1:])
-    out = np.empty(int(new_indptr[-1]), np.int64)
-    take = np.empty(out.size, np.int64)
+    counts = np.diff(indptr) - loops + 1
+    size = int(counts.sum())
+    dtype = np.int32 if max(indices.size + n, size) <= np.iinfo(np.int32).max else np.int64
+    new_indptr = np.zeros(n + 1, dtype)
+    np.cumsum(counts, out=new_indptr[1:])
+    out, take = np.empty(size, dtype), np.empty(size, dtype)
     _with_self_loops(indptr, indices, kept, new_indptr, out, take)
     return new_indptr, out, take
 
 
 def transpose_csr(
-    indptr: np.ndarray, indices: np.ndarray, num_cols: int, dtype: np.dtype | type = np.int64
+    indptr: np.ndarray,
+    indices: np.ndarray,
+    num_cols: int,
+    dtype: np.dtype | type = np.int64,
+    perm: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Column-major form of a CSR: ``(t_indptr, t_indices, perm)`` with ``t_indices`` the rows of
     each column's entries (ascending; duplicates in stored order) and ``perm`` each transposed
-    position's entry id, all of integer ``dtype``."""
+    position's entry id, all of integer ``dtype``; ``perm`` may be given (overwritten)."""
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
     t_indptr = np.zeros(int(num_cols) + 1, dtype)
     t_indices = np.empty(indices.size, dtype)
-    perm = np.empty(indices.size, dtype)
+    perm = np.empty(indices.size, dtype) if perm is None else perm
     _transpose(indptr, indices, int(num_cols), t_indptr, t_indices, perm)
     return t_indptr, t_indices, perm
+
+
+def mirror_transpose(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray) -> bool:
+    """Whether a square CSR equals its own transpose in structure (rows sorted, every entry
+    ``j -> i`` matched by an ``i -> j``, duplicates alike); if so ``perm`` (E entries, written)
+    holds what :func:`transpose_csr` would return as ``perm``, whose ``t_indptr`` and ``t_indices``
+    are then ``indptr`` and ``indices``. One parallel pass of binary searches, no E-entry copies."""
+    indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
+    bad = np.zeros(indptr.size - 1, np.uint8)
+    sync_numba_threads()
+    _mirror(indptr, indices, perm, bad)
+    return not bad.any()
+
+
+def same_through(values: np.ndarray, perm: np.ndarray) -> bool:
+    """Whether ``values[perm]`` equals ``values`` entry for entry (checked without the copy)."""
+    return bool(_same_through(values, perm))

@@ -208,6 +208,10 @@ def prepare(
         shard = strategy.shard(source if order is None else order.permute(source))
         if order is not None:  # train in the new numbering; everything user-visible keeps the caller's
             shard.ids, shard.fingerprint = order.perm, source.fingerprint()
+    if checkpoint is not None and isinstance(original, Graph) and isinstance(checkpoint[1], dict):
+        named = checkpoint[1].get("graph")
+        if named not in (None, shard.fingerprint) and named == original.legacy_fingerprint():
+            shard.fingerprint = named  # a checkpoint from before tessera.digest: the run keeps its name for the graph
     # Global facts are sums over ranks: split sizes, and whether any feature is negative.
     local = torch.tensor([float(shard.masks[k].sum()) for k in SPLITS] + [float((shard.x < 0).sum())])
     total = comm.all_reduce_sum(local)
