@@ -11,8 +11,8 @@ from tessera import sparse
 from tessera.errors import ConfigError
 from tessera.nn.conv import GATConv, GCNConv, GINConv, RGCNConv, SAGEConv, SAGELSTMConv
 from tessera.nn.conv.base import GraphConv, LayerHints
-from tessera.nn.linear import Linear
-from tessera.sparse import GraphOperand, LayerSpec
+from tessera.nn.mlp import MLP
+from tessera.sparse import Epilogue, GraphOperand, LayerSpec
 from tessera.sparse.dropout import dropout_mask, dropout_with_mask
 
 
@@ -105,23 +105,19 @@ class GNN(nn.Module):
             keep = None
             if uses_out and i < last:
                 keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout, rows)
-            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0))
             dropped = fused_next and i < last
-            if i < last:  # the next layer's dropout too where it is fused, else the activation alone
-                x = sparse.act_dropout(x, self.activation, self.dropout if dropped else 0.0, self.training, rows)
+            # between layers: the activation, and the next layer's dropout too where it is fused;
+            # a layer that ends in a dense transform applies them in the same node (sparse.linear_act)
+            p = self.dropout if dropped and self.training else 0.0
+            epilogue = Epilogue(self.activation, p) if i < last and conv.takes_epilogue and not fuse else None
+            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue))
+            if i < last and epilogue is None:
+                x = sparse.act_dropout(x, self.activation, p, self.training, rows)
         return x
 
 
-class ReLU(nn.Module):
-    """``torch.nn.ReLU`` whose output and gradient are workspace blocks (:func:`tessera.sparse.act_dropout`
-    without dropout): no page faults for a large activation, no in-place hazards."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse.act_dropout(x, "relu", 0.0)
-
-
 def _gin_mlp(i: int, o: int, hidden: int) -> nn.Module:
-    return nn.Sequential(Linear(i, hidden), ReLU(), Linear(hidden, o))
+    return MLP(i, hidden, o)
 
 
 def _gcn(a: int, b: int, last: bool, o: dict) -> GraphConv:

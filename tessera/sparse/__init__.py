@@ -1,18 +1,21 @@
 """The primitives layers are written in: aggregate (and its masked S-SpMM forms), edge scores,
 edge softmax and fused GAT attention, LSTM neighbourhood aggregation, dropout (alone or fused
-with an activation) and linear, all over an :class:`Operand`."""
+with an activation) and linear (alone or fused with the activation and dropout that follow it),
+all over an :class:`Operand`."""
 
 from tessera.sparse.aggregate import aggregate, inv_in_degree
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import act_dropout, dropout
 from tessera.sparse.linear import linear, linear_add_
+from tessera.sparse.linear_act import Epilogue, linear_act
 from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
 from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
 from tessera.sparse.operand import GraphOperand, Operand, as_operand
 from tessera.sparse.spec import LayerSpec
 
 __all__ = [
+    "Epilogue",
     "GraphOperand",
     "LayerSpec",
     "Operand",
@@ -28,6 +31,7 @@ __all__ = [
     "gat_attention",
     "inv_in_degree",
     "linear",
+    "linear_act",
     "linear_add_",
     "lstm_aggregate",
     "masked_aggregate",

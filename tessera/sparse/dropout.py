@@ -99,7 +99,7 @@ def keep_threshold(p: float) -> np.uint32 | None:
 _NO_ROWS = np.zeros(1, np.int64)
 
 
-def _run(
+def run_hashed(
     src: torch.Tensor, out: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None, mode: int,
     aux: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
@@ -135,7 +135,7 @@ def _apply(x: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None) -> t
     if keep_threshold(p) is None:
         return torch.zeros_like(x)
     out = workspace.empty_like(x)
-    _run(x, out, seed, p, rows, _DROP)
+    run_hashed(x, out, seed, p, rows, _DROP)
     return out
 
 
@@ -170,8 +170,8 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, rows: torch.
     return _Dropout.apply(x, p, draw_seed(), rows)
 
 
-_ACT_MODES = {"relu": (_RELU_DROP, _RELU_DROP_GRAD), "elu": (_ELU_DROP, _ELU_DROP_GRAD)}
-ACTIVATIONS = tuple(_ACT_MODES)
+ACT_MODES = {"relu": (_RELU_DROP, _RELU_DROP_GRAD), "elu": (_ELU_DROP, _ELU_DROP_GRAD)}
+ACTIVATIONS = tuple(ACT_MODES)
 
 
 class _ActDropout(torch.autograd.Function):
@@ -182,8 +182,8 @@ class _ActDropout(torch.autograd.Function):
     def forward(ctx, x, act, p, seed, rows):
         x = x.contiguous()
         out = workspace.empty_like(x)
-        forward_mode, ctx.grad_mode = _ACT_MODES[act]
-        _run(x, out, seed, p, rows, forward_mode)
+        forward_mode, ctx.grad_mode = ACT_MODES[act]
+        run_hashed(x, out, seed, p, rows, forward_mode)
         ctx.p, ctx.seed, ctx.rows = p, seed, rows
         ctx.save_for_backward(out)
         return out
@@ -193,7 +193,7 @@ class _ActDropout(torch.autograd.Function):
         (y,) = ctx.saved_tensors
         g = g.contiguous()
         gx = workspace.empty_like(g)
-        _run(g, gx, ctx.seed, ctx.p, ctx.rows, ctx.grad_mode, aux=y)
+        run_hashed(g, gx, ctx.seed, ctx.p, ctx.rows, ctx.grad_mode, aux=y)
         return gx, None, None, None, None
 
 
@@ -202,7 +202,7 @@ def act_dropout(
 ) -> torch.Tensor:
     """``dropout(act(x), p)`` for ``act`` in :data:`ACTIVATIONS` (ELU with alpha 1), in one pass,
     drawing the mask :func:`dropout` would draw (same seed draw, same ``rows`` keying)."""
-    if act not in _ACT_MODES:
+    if act not in ACT_MODES:
         raise ValueError(f"unknown activation {act!r}; choose from {', '.join(ACTIVATIONS)}")
     p = p if training else 0.0
     if (
@@ -224,7 +224,7 @@ def dropout_mask(shape: tuple[int, ...], p: float, rows: torch.Tensor | None = N
     out = torch.empty(shape, dtype=torch.bool)
     if keep_threshold(p) is None:
         return out.fill_(False)
-    _run(out, out, seed, p, rows, _MASK)
+    run_hashed(out, out, seed, p, rows, _MASK)
     return out
 
 

@@ -73,10 +73,28 @@ def linear_then_aggregate(
         if hints.output_mask is not None:
             return sparse.masked_aggregate(a, xw, hints.output_mask, reduce)
         return sparse.aggregate(a, xw, reduce)
+    return lin(input_aggregate(a, x, reduce, hints, constant))
+
+
+def input_aggregate(
+    a: Operand,
+    x: torch.Tensor,
+    reduce: str,
+    hints: LayerHints,
+    constant: tuple[InputAggregate, object] | None = None,
+) -> torch.Tensor:
+    """``A x`` for a layer that aggregates its input first: once, with ``hints.constant_input``
+    and the layer's ``constant`` memo; with the S-SpMM input-gradient mask of the ``hints``."""
     if hints.constant_input and constant is not None:
         memo, graph = constant
-        return lin(memo(graph, x, lambda: sparse.aggregate(a, x, reduce)))
-    return lin(sparse.aggregate(a, x, reduce, grad_mask=hints.input_grad_mask))
+        return memo(graph, x, lambda: sparse.aggregate(a, x, reduce))
+    return sparse.aggregate(a, x, reduce, grad_mask=hints.input_grad_mask)
+
+
+def finish(out: torch.Tensor, hints: LayerHints) -> torch.Tensor:
+    """A layer's output with the ``hints``' epilogue (activation, dropout) applied, if any."""
+    ep = hints.epilogue
+    return out if ep is None else sparse.act_dropout(out, ep.act, ep.p, True, hints.rows)
 
 
 def aggregates_output(lin: torch.nn.Linear, aggregate_first: bool | None = None) -> bool:

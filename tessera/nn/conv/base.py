@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.sparse import GraphOperand, LayerSpec
+from tessera.sparse import Epilogue, GraphOperand, LayerSpec
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,15 @@ class LayerHints:
     ``constant_input``: the input is the same tensor, unchanged and needing no gradient, at every
     call (layer 0 on the raw features with no dropout, LayerNorm or label embedding before it), so
     a layer that aggregates its input first may aggregate it once and reuse the result (MixGCN
-    Algorithm 2, line 1: the raw features are aggregated once)."""
+    Algorithm 2, line 1: the raw features are aggregated once). ``epilogue``: the activation and
+    dropout the model applies to the output (only for layers that declare
+    :attr:`GraphConv.takes_epilogue`), which a layer ending in a dense transform fuses into it."""
 
     input_grad_mask: torch.Tensor | None = None
     output_mask: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     constant_input: bool = False
+    epilogue: Epilogue | None = None
 
 
 class GraphConv(nn.Module):
@@ -37,6 +41,9 @@ class GraphConv(nn.Module):
     #: WiseGraph's operation placement (§5.4): None lets the layer pick the side of its dense
     #: transform it aggregates on (the narrower); True / False fix aggregation before / after it.
     aggregate_first: bool | None = None
+    #: whether ``forward`` applies :attr:`LayerHints.epilogue` itself (else the model applies the
+    #: activation and dropout to the output)
+    takes_epilogue: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera import sparse
 from tessera.errors import ConfigError
 from tessera.nn.conv._util import (
     InputAggregate,
     add_bias_,
     aggregates_output,
+    finish,
     glorot_,
+    input_aggregate,
     linear_spec,
     linear_then_aggregate,
 )
@@ -28,6 +31,8 @@ class GCNConv(GraphConv):
     effect there; tessera keeps ``A + 2I`` as in PyG's weighted path (the same as passing PyG
     unit weights). ``add_self_loops`` defaults to ``normalize``; loops without normalisation are
     refused, as in PyG."""
+
+    takes_epilogue = True
 
     def __init__(
         self, in_channels: int, out_channels: int, improved: bool = False, add_self_loops: bool | None = None,
@@ -57,10 +62,14 @@ class GCNConv(GraphConv):
 
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
+        hints = hints or LayerHints()
         a = as_operand(graph, self.backend)
         a = a.gcn_normalized(self.add_self_loops, self.improved) if self.normalize else a.weighted()
-        out = linear_then_aggregate(a, x, self.lin, "sum", hints, self.aggregate_first, (self._input_aggregate, graph))
-        return add_bias_(out, self.bias)
+        if aggregates_output(self.lin, self.aggregate_first):
+            out = linear_then_aggregate(a, x, self.lin, "sum", hints, self.aggregate_first)
+            return finish(add_bias_(out, self.bias), hints)
+        agg = input_aggregate(a, x, "sum", hints, (self._input_aggregate, graph))
+        return sparse.linear_act([agg], [self.lin.weight], self.bias, hints.epilogue, hints.rows)
 
     def describe(self) -> LayerSpec:
         return linear_spec(self.lin, self.aggregate_first)

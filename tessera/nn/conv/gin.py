@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 from tessera import sparse
-from tessera.nn.conv._util import InputAggregate
+from tessera.nn.conv._util import InputAggregate, finish
 from tessera.nn.conv.base import GraphConv, LayerHints
+from tessera.nn.mlp import MLP
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
 
 class GINConv(GraphConv):
     """``x'_i = nn((1 + eps) x_i + sum_{j in N(i)} x_j)`` (PyG ``GINConv``)."""
+
+    takes_epilogue = True
 
     def __init__(self, nn: torch.nn.Module, eps: float = 0.0, train_eps: bool = False, backend: str = "auto") -> None:
         super().__init__()
@@ -31,15 +34,18 @@ class GINConv(GraphConv):
 
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` (of the hints, ``input_grad_mask``)."""
-        grad_mask = None if hints is None else hints.input_grad_mask
+        hints = hints or LayerHints()
         a = as_operand(graph, self.backend).pattern()
-        if hints is not None and hints.constant_input:
+        if hints.constant_input:
             out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
-            return self.nn(out + (1 + self.eps) * x)  # not in place: the aggregate is kept
-        if isinstance(self.eps, torch.nn.Parameter):
-            return self.nn(sparse.aggregate(a, x, "sum", grad_mask=grad_mask) + (1 + self.eps) * x)
-        # the root term inside the aggregation, in place both ways: no N x F temporaries
-        return self.nn(sparse.aggregate(a, x, "sum", grad_mask=grad_mask, self_weight=1.0 + float(self.eps)))
+            h = out + (1 + self.eps) * x  # not in place: the aggregate is kept
+        elif isinstance(self.eps, torch.nn.Parameter):
+            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask) + (1 + self.eps) * x
+        else:  # the root term inside the aggregation, in place both ways: no N x F temporaries
+            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask, self_weight=1.0 + float(self.eps))
+        if isinstance(self.nn, MLP):
+            return self.nn.run(h, hints.epilogue, hints.rows)
+        return finish(self.nn(h), hints)
 
     def describe(self) -> LayerSpec:
         linears = [m for m in self.nn.modules() if isinstance(m, torch.nn.Linear)]

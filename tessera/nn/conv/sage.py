@@ -7,7 +7,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera import sparse
-from tessera.nn.conv._util import InputAggregate, add_bias_, aggregates_output, linear_spec, linear_then_aggregate
+from tessera.nn.conv._util import (
+    InputAggregate,
+    add_bias_,
+    aggregates_output,
+    finish,
+    input_aggregate,
+    linear_spec,
+    linear_then_aggregate,
+)
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
@@ -15,6 +23,8 @@ from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
 class SAGEConv(GraphConv):
     """``x'_i = W_l * reduce_{j in N(i)} x_j + b + W_r x_i`` (PyG ``SAGEConv``)."""
+
+    takes_epilogue = True
 
     def __init__(
         self,
@@ -41,7 +51,17 @@ class SAGEConv(GraphConv):
 
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
+        hints = hints or LayerHints()
         a = as_operand(graph, self.backend).pattern()
+        if not self.normalize and not aggregates_output(self.lin_l, self.aggregate_first):
+            # (A x) W_l^T + b + x W_r^T, the activation and dropout after it: one fused node
+            agg = input_aggregate(a, x, self.aggr, hints, (self._input_aggregate, graph))
+            xs, ws = (
+                ([agg, x], [self.lin_l.weight, self.lin_r.weight])
+                if self.lin_r is not None
+                else ([agg], [self.lin_l.weight])
+            )
+            return sparse.linear_act(xs, ws, self.lin_l.bias, hints.epilogue, hints.rows)
         out = linear_then_aggregate(
             a, x, _WeightOnly(self.lin_l), self.aggr, hints, self.aggregate_first, (self._input_aggregate, graph)
         )
@@ -50,7 +70,7 @@ class SAGEConv(GraphConv):
             out = sparse.linear_add_(out, x, self.lin_r.weight)
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
-        return out
+        return finish(out, hints)
 
     def describe(self) -> LayerSpec:
         return linear_spec(self.lin_l, self.aggregate_first)

@@ -1,0 +1,51 @@
+"""The fused dense transform + activation + dropout equals the composition it replaces."""
+
+import pytest
+import torch
+
+from tessera import sparse
+from tessera.sparse import Epilogue, linear_act
+from tessera.sparse.linear_act import CHUNK_BYTES
+
+
+@pytest.mark.parametrize("act", ["relu", "elu"])
+@pytest.mark.parametrize("p", [0.0, 0.5])
+@pytest.mark.parametrize("pairs", [1, 2])
+@pytest.mark.parametrize("keyed", [False, True])
+def test_linear_act_equals_linear_then_act_dropout(act, p, pairs, keyed):
+    torch.manual_seed(0)
+    n, f_in, f_out = 3 * CHUNK_BYTES // (4 * 64) + 17, 12, 64  # three chunks and a short one
+    xs = [torch.randn(n, f_in, requires_grad=True) for _ in range(pairs)]
+    ws = [torch.randn(f_out, f_in, requires_grad=True) for _ in range(pairs)]
+    b = torch.randn(f_out, requires_grad=True)
+    rows = torch.randperm(n) if keyed else None
+    torch.manual_seed(7)
+    y = linear_act(xs, ws, b, Epilogue(act, p), rows)
+    after = torch.randint(0, 2**31, (1,))  # the generator moved exactly as the composition moves it
+    g = torch.randn(n, f_out)
+    got = torch.autograd.grad(y, [*xs, *ws, b], g)
+    torch.manual_seed(7)
+    z = sparse.linear(xs[0], ws[0]).add_(b)
+    for x, w in zip(xs[1:], ws[1:]):
+        z = sparse.linear_add_(z, x, w)
+    want_y = sparse.act_dropout(z, act, p, True, rows)
+    assert torch.equal(torch.randint(0, 2**31, (1,)), after)
+    want = torch.autograd.grad(want_y, [*xs, *ws, b], g)
+    assert torch.equal(y, want_y)  # same products, same bias order, same mask
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5 * float(c.abs().max()))
+
+
+def test_linear_act_without_epilogue_is_the_linear_map():
+    x, w, b = torch.randn(50, 8), torch.randn(16, 8), torch.randn(16)
+    assert torch.equal(linear_act([x], [w], b, None), sparse.linear(x, w).add_(b))
+    with pytest.raises(ValueError, match="inputs for"):
+        linear_act([x], [w, w], b, None)
+
+
+def test_linear_act_in_eval_mode_draws_nothing():
+    x, w = torch.randn(50, 8), torch.randn(16, 8)
+    torch.manual_seed(3)
+    y = linear_act([x], [w], None, Epilogue("relu", 0.0))
+    assert torch.equal(torch.randint(0, 2**31, (1,)), torch.manual_seed(3) and torch.randint(0, 2**31, (1,)))
+    assert torch.equal(y, torch.relu(x @ w.T))
