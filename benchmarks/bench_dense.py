@@ -1,9 +1,12 @@
-"""Dense products of a full-graph epoch: torch's ``mm`` (MKL) vs ``tessera.sparse.linear`` (oneDNN).
+"""Dense products of a full-graph epoch: MKL into a fresh output (torch's ``mm``), MKL into a kept
+block (``mm(out=)``, what tessera's ``mkl`` path does) and oneDNN into a fresh output (its
+``onednn`` path).
 
-Times, on ``--threads`` threads, the five GEMM shapes of a 2-layer GCN epoch on an arxiv-sized
-graph (N x F_in times F_in x F_out forward, the input gradient, the weight gradient), median of
-``--repeats`` after a warm-up, each into a fresh output as training does, and prints ms and
-GFLOPS for both (run it under the allocator you train with: ``LD_PRELOAD`` jemalloc or not).
+Times, on ``--threads`` threads, the GEMM shapes of a 2-layer GCN epoch on an arxiv-sized graph
+(N x F_in times F_in x F_out forward, the input gradient, the weight gradient), median of
+``--repeats`` after a warm-up, and prints ms and GFLOPS for each, and the path
+``tessera.sparse.gemm_path`` chose on this machine (run it under the allocator you train with:
+``LD_PRELOAD`` jemalloc or not; under glibc a fresh output is mapped and faulted in every call).
 
     python benchmarks/bench_dense.py --threads 2
 
@@ -22,8 +25,7 @@ import time
 
 import torch
 
-from tessera import sparse
-from tessera.sparse.linear import _usable
+from tessera.sparse.gemm_path import cpu_model, gemm_path, onednn_product, onednn_usable
 from tessera.threads import set_num_threads
 
 
@@ -43,19 +45,29 @@ def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
     x, w, g = torch.randn(rows, fi), torch.randn(fo, fi), torch.randn(rows, fo)
     wt = w.t().contiguous()
     flops = 2.0 * rows * fi * fo
+    y, gx = torch.empty(rows, fo), torch.empty(rows, fi)
     cases = {
-        f"forward x W^T, {rows}x{fi} . {fi}x{fo}": (lambda: x.mm(w.t()), lambda: sparse.linear(x, w)),
-        f"input grad g W, {rows}x{fo} . {fo}x{fi}": (lambda: g.mm(w), lambda: sparse.linear(g, wt)),
+        f"forward x W^T, {rows}x{fi} . {fi}x{fo}": (
+            lambda: x.mm(w.t()),
+            lambda: torch.mm(x, w.t(), out=y),
+            lambda: onednn_product(x, w),
+        ),
+        f"input grad g W, {rows}x{fo} . {fo}x{fi}": (
+            lambda: g.mm(w),
+            lambda: torch.mm(g, w, out=gx),
+            lambda: onednn_product(g, wt),
+        ),
     }
-    for name, (ref, ours) in cases.items():
-        t_ref, t_ours = median_s(ref, repeats), median_s(ours, repeats)
-        print(
-            f"| {name} | {1e3 * t_ref:.1f} | {flops / t_ref / 1e9:.0f} | {1e3 * t_ours:.1f} "
-            f"| {flops / t_ours / 1e9:.0f} | {t_ref / t_ours:.2f}x |"
-        )
-    t_ref = median_s(lambda: g.t().mm(x), repeats)
-    name = f"weight grad g^T x (MKL in both), {fo}x{rows} . {rows}x{fi}"
-    print(f"| {name} | {1e3 * t_ref:.1f} | {flops / t_ref / 1e9:.0f} | - | - | - |")
+    for name, fns in cases.items():
+        cells = []
+        for fn in fns if onednn_usable() else fns[:2]:
+            t = median_s(fn, repeats)
+            cells.append(f"{1e3 * t:.1f} | {flops / t / 1e9:.0f}")
+        print(f"| {name} | {' | '.join(cells + ['-- | --'] * (3 - len(cells)))} |")
+    t = median_s(lambda: g.t().mm(x), repeats)
+    print(
+        f"| weight grad g^T x (MKL), {fo}x{rows} . {rows}x{fi} | {1e3 * t:.1f} | {flops / t / 1e9:.0f} | - | - | - | - |"
+    )
 
 
 def bf16_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
@@ -89,14 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     set_num_threads(a.threads)
     print(
-        f"{a.rows:,} rows, widths {a.dims}, {a.threads} threads, median of {a.repeats}; oneDNN path: {_usable(torch.ones(1, 1))}"
+        f"{a.rows:,} rows, widths {a.dims}, {a.threads} threads, median of {a.repeats}; CPU {cpu_model()!r}; "
+        f"tessera's GEMM path here: {gemm_path()}"
     )
     print()
     if a.bf16:
         print("| product | fp32 ms | GFLOPS | bf16 ms | GFLOPS | bf16 speed-up |")
+        print("|---|---:|---:|---:|---:|---:|")
     else:
-        print("| product | torch.mm ms | GFLOPS | tessera ms | GFLOPS | speed-up |")
-    print("|---|---:|---:|---:|---:|---:|")
+        print("| product | MKL fresh ms | GFLOPS | MKL kept ms | GFLOPS | oneDNN fresh ms | GFLOPS |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
     for fi, fo in zip(a.dims[:-1], a.dims[1:], strict=False):
         (bf16_rows if a.bf16 else layer_rows)(a.rows, fi, fo, a.repeats)
 

@@ -142,7 +142,7 @@ PROBING_ALLOWED = {
     "graph/formats/planetoid.py": "unpickled arrays: scipy sparse or numpy",
     "graph/formats/npz.py": "np.load returns an NpzFile or an array",
     "graph/partition/metis.py": "ctypes symbol lookup in pymetis's bundled METIS",
-    "sparse/linear.py": "torch builds without oneDNN lack torch.ops.mkldnn",
+    "sparse/gemm_path.py": "torch builds without oneDNN lack torch.ops.mkldnn",
     "datasets.py": "a synthetic generator module's optional PRESETS",
     "nn/conv/gin.py": "resetting the parameters of any torch module inside a user's MLP",
 }

@@ -1,0 +1,85 @@
+"""The GEMM path: MKL into kept blocks unless oneDNN measured clearly faster, kept on disk, same values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera import sparse
+from tessera.sparse import gemm_path
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """No remembered decision, a private cache folder, a non-Intel CPU with oneDNN usable."""
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    monkeypatch.setattr(gemm_path, "_chosen", {})
+    monkeypatch.setattr(gemm_path, "cpu_model", lambda: "AuthenticAMD AMD EPYC")
+    monkeypatch.setattr(gemm_path, "onednn_usable", lambda: True)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("mkl_s", "onednn_s", "want"), [(1.0, 0.95, "mkl"), (1.0, 0.5, "onednn"), (0.5, 1.0, "mkl")])
+def test_onednn_is_chosen_only_when_clearly_faster_and_the_choice_is_kept_on_disk(
+    fresh, monkeypatch, mkl_s, onednn_s, want
+):
+    monkeypatch.setattr(gemm_path, "measure", lambda: (mkl_s, onednn_s))
+    assert gemm_path.gemm_path() == want
+    disk = json.loads((fresh / "gemm.json").read_text())
+    assert list(disk.values()) == [want]
+    assert "AMD EPYC" in next(iter(disk)) and f"t{torch.get_num_threads()}" in next(iter(disk))
+
+    # another process (an empty memo) reads the disk and measures nothing
+    monkeypatch.setattr(gemm_path, "_chosen", {})
+    monkeypatch.setattr(gemm_path, "measure", lambda: pytest.fail("measured again"))
+    assert gemm_path.gemm_path() == want
+
+
+def test_intel_cpus_use_mkl_without_measuring(fresh, monkeypatch):
+    monkeypatch.setattr(gemm_path, "cpu_model", lambda: "GenuineIntel Intel(R) Xeon(R) Processor")
+    monkeypatch.setattr(gemm_path, "measure", lambda: pytest.fail("measured on Intel"))
+    assert gemm_path.gemm_path() == "mkl"
+
+
+def test_without_onednn_the_path_is_mkl(fresh, monkeypatch):
+    monkeypatch.setattr(gemm_path, "onednn_usable", lambda: False)
+    monkeypatch.setattr(gemm_path, "measure", lambda: pytest.fail("measured without oneDNN"))
+    assert gemm_path.gemm_path() == "mkl"
+
+
+def test_measure_times_both_paths_on_a_small_product():
+    if not gemm_path.onednn_usable():
+        pytest.skip("this torch build has no oneDNN linear op")
+    mkl_s, onednn_s = gemm_path.measure(rows=512, k=16, n=32)
+    assert 0 < mkl_s < 1 and 0 < onednn_s < 1
+
+
+def test_forced_rejects_an_unknown_path():
+    with pytest.raises(ValueError, match="mkl or onednn"):
+        with gemm_path.forced("blas"):
+            pass
+
+
+@pytest.mark.parametrize("path", ["mkl", "onednn"])
+def test_both_paths_give_torchs_values_and_gradients(path):
+    if path == "onednn" and not gemm_path.onednn_usable():
+        pytest.skip("this torch build has no oneDNN linear op")
+    torch.manual_seed(3)
+    x = torch.randn(3000, 48, requires_grad=True)
+    w = torch.randn(64, 48, requires_grad=True)
+    b = torch.randn(64, requires_grad=True)
+    acc0 = torch.randn(3000, 64)
+    g = torch.randn(3000, 64)
+    with gemm_path.forced(path):
+        y = sparse.linear(x, w, b)
+        acc = sparse.linear_add_(acc0.clone(), x, w)
+        (y * g).sum().add((acc * g).sum()).backward()
+    got = [y.detach(), acc.detach(), x.grad, w.grad, b.grad]
+    x.grad = w.grad = b.grad = None
+    want_y, want_acc = F.linear(x, w, b), acc0 + F.linear(x, w)
+    (want_y * g).sum().add((want_acc * g).sum()).backward()
+    for a, e in zip(got, [want_y.detach(), want_acc.detach(), x.grad, w.grad, b.grad], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
