@@ -83,3 +83,28 @@ def test_both_paths_give_torchs_values_and_gradients(path):
     (want_y * g).sum().add((want_acc * g).sum()).backward()
     for a, e in zip(got, [want_y.detach(), want_acc.detach(), x.grad, w.grad, b.grad], strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["mkl", "onednn"])
+def test_linear_split_equals_one_product_per_weight(path):
+    if path == "onednn" and not gemm_path.onednn_usable():
+        pytest.skip("this torch build has no oneDNN linear op")
+    torch.manual_seed(5)
+    x = torch.randn(2500, 32, requires_grad=True)
+    ws = [torch.randn(7, 32, requires_grad=True), torch.randn(11, 32, requires_grad=True)]
+    gs = [torch.randn(2500, 7), torch.randn(2500, 11)]
+    with gemm_path.forced(path):
+        outs = sparse.linear_split(x, ws)
+        sum((o * g).sum() for o, g in zip(outs, gs)).backward()
+    got = [*(o.detach() for o in outs), x.grad, *(w.grad for w in ws)]
+    x.grad = ws[0].grad = ws[1].grad = None
+    want_outs = [F.linear(x, w) for w in ws]
+    sum((o * g).sum() for o, g in zip(want_outs, gs)).backward()
+    want = [*(o.detach() for o in want_outs), x.grad, *(w.grad for w in ws)]
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
+    # only one output used: the other's gradient is zero
+    x.grad = None
+    with gemm_path.forced(path):
+        sparse.linear_split(x, ws)[1].sum().backward()
+    torch.testing.assert_close(x.grad, ws[1].detach().sum(0).expand(2500, 32), rtol=1e-5, atol=1e-4)

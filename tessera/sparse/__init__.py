@@ -7,7 +7,7 @@ from tessera.sparse.aggregate import aggregate, inv_in_degree
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import act_dropout, dropout
-from tessera.sparse.linear import linear, linear_add_
+from tessera.sparse.linear import linear, linear_add_, linear_split
 from tessera.sparse.linear_act import Epilogue, linear_act
 from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
 from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
@@ -33,6 +33,7 @@ __all__ = [
     "linear",
     "linear_act",
     "linear_add_",
+    "linear_split",
     "lstm_aggregate",
     "masked_aggregate",
     "masked_spmm_t",

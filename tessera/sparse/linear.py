@@ -8,6 +8,8 @@ stays on MKL. Other devices and dtypes use ``torch.nn.functional.linear``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -82,6 +84,39 @@ def linear_add_(acc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> tor
     if _usable(x, weight) and acc.dtype == torch.float32 and acc.is_contiguous():
         return _LinearAdd.apply(acc, x, weight)
     return acc.add_(F.linear(x, weight))
+
+
+class _LinearSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, *weights):
+        w = torch.cat(weights)  # small: sum of the output widths x the input width
+        ctx.save_for_backward(x, w)
+        ctx.widths = [wi.shape[0] for wi in weights]
+        return tuple(_mm_t(x, w).split(ctx.widths, dim=1))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, w = ctx.saved_tensors
+        g = workspace.empty((x.shape[0], w.shape[0]), x.dtype)
+        for part, gi in zip(g.split(ctx.widths, dim=1), gs):
+            if gi is None:
+                part.zero_()
+            else:
+                part.copy_(gi)
+        gx = _mm_t(g, w.t()) if ctx.needs_input_grad[0] else None
+        gw = g.t().mm(x) if any(ctx.needs_input_grad[1:]) else None
+        return gx, *(gw.split(ctx.widths) if gw is not None else [None] * len(ctx.widths))
+
+
+def linear_split(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``x @ w.T`` for each of ``weights`` (same input width) as one product over the stacked
+    weights, so ``x`` is read once; backward stacks the output gradients and takes ``x``'s
+    gradient and the weights' as one product each, where separate products would read ``x`` once
+    per weight and add their input gradients in another ``N x F`` pass. The outputs are column
+    slices of one block (not contiguous)."""
+    if _usable(x, *weights) and len(weights) > 1:
+        return _LinearSplit.apply(x, *weights)
+    return tuple(F.linear(x, w) for w in weights)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

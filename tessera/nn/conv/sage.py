@@ -62,12 +62,18 @@ class SAGEConv(GraphConv):
                 else ([agg], [self.lin_l.weight])
             )
             return sparse.linear_act(xs, ws, self.lin_l.bias, hints.epilogue, hints.rows)
-        out = linear_then_aggregate(
-            a, x, _WeightOnly(self.lin_l), self.aggr, hints, self.aggregate_first, (self._input_aggregate, graph)
-        )
-        out = add_bias_(out, self.lin_l.bias)
-        if self.lin_r is not None:
-            out = sparse.linear_add_(out, x, self.lin_r.weight)
+        if self.lin_r is not None and hints.output_mask is None and aggregates_output(self.lin_l, self.aggregate_first):
+            # x W_l^T and x W_r^T as one product: x is read once each way, and its gradient is
+            # one product instead of two added in another N x F pass
+            xl, xr = sparse.linear_split(x, [self.lin_l.weight, self.lin_r.weight])
+            out = add_bias_(sparse.aggregate(a, xl.contiguous(), self.aggr), self.lin_l.bias).add_(xr)
+        else:
+            out = linear_then_aggregate(
+                a, x, _WeightOnly(self.lin_l), self.aggr, hints, self.aggregate_first, (self._input_aggregate, graph)
+            )
+            out = add_bias_(out, self.lin_l.bias)
+            if self.lin_r is not None:
+                out = sparse.linear_add_(out, x, self.lin_r.weight)
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return finish(out, hints)
