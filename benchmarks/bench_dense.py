@@ -1,6 +1,7 @@
 """Dense products of a full-graph epoch: MKL into a fresh output (torch's ``mm``), MKL into a kept
-block (``mm(out=)``, what tessera's ``mkl`` path does) and oneDNN into a fresh output (its
-``onednn`` path).
+block (``mm(out=)``, what tessera's ``mkl`` path does), oneDNN into a fresh output (its
+``onednn`` path), and oneDNN into a kept block through an in-place 1x1 convolution with an add
+post-op (zeroed first; a candidate path, not used by tessera yet).
 
 Times, on ``--threads`` threads, the GEMM shapes of a 2-layer GCN epoch on an arxiv-sized graph
 (N x F_in times F_in x F_out forward, the input gradient, the weight gradient), median of
@@ -51,11 +52,13 @@ def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
             lambda: x.mm(w.t()),
             lambda: torch.mm(x, w.t(), out=y),
             lambda: onednn_product(x, w),
+            lambda: conv_add(y.zero_(), x, w),
         ),
         f"input grad g W, {rows}x{fo} . {fo}x{fi}": (
             lambda: g.mm(w),
             lambda: torch.mm(g, w, out=gx),
             lambda: onednn_product(g, wt),
+            lambda: conv_add(gx.zero_(), g, wt),
         ),
     }
     for name, fns in cases.items():
@@ -63,11 +66,27 @@ def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
         for fn in fns if onednn_usable() else fns[:2]:
             t = median_s(fn, repeats)
             cells.append(f"{1e3 * t:.1f} | {flops / t / 1e9:.0f}")
-        print(f"| {name} | {' | '.join(cells + ['-- | --'] * (3 - len(cells)))} |")
+        print(f"| {name} | {' | '.join(cells + ['-- | --'] * (4 - len(cells)))} |")
     t = median_s(lambda: g.t().mm(x), repeats)
     print(
-        f"| weight grad g^T x (MKL), {fo}x{rows} . {rows}x{fi} | {1e3 * t:.1f} | {flops / t / 1e9:.0f} | - | - | - | - |"
+        f"| weight grad g^T x (MKL), {fo}x{rows} . {rows}x{fi} | {1e3 * t:.1f} | {flops / t / 1e9:.0f} "
+        "| - | - | - | - | - | - |"
     )
+
+
+def conv_add(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``out += x @ w.T`` on oneDNN into ``out`` itself: an in-place 1x1 convolution with an add
+    post-op over channels-last views of the row-major matrices (a candidate third path)."""
+
+    def rows_as_pixels(t: torch.Tensor) -> torch.Tensor:
+        return t.view(1, t.shape[0], 1, t.shape[1]).permute(0, 3, 1, 2)
+
+    o, k = w.shape
+    torch.ops.mkldnn._convolution_pointwise_.binary(
+        rows_as_pixels(out), rows_as_pixels(x), w.view(o, k, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "add", 1.0,
+        None, [], None,
+    )  # fmt: skip
+    return out
 
 
 def bf16_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
@@ -109,8 +128,11 @@ def main(argv: list[str] | None = None) -> None:
         print("| product | fp32 ms | GFLOPS | bf16 ms | GFLOPS | bf16 speed-up |")
         print("|---|---:|---:|---:|---:|---:|")
     else:
-        print("| product | MKL fresh ms | GFLOPS | MKL kept ms | GFLOPS | oneDNN fresh ms | GFLOPS |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print(
+            "| product | MKL fresh ms | GFLOPS | MKL kept ms | GFLOPS | oneDNN fresh ms | GFLOPS "
+            "| oneDNN 1x1 conv, zero + add into kept ms | GFLOPS |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for fi, fo in zip(a.dims[:-1], a.dims[1:], strict=False):
         (bf16_rows if a.bf16 else layer_rows)(a.rows, fi, fo, a.repeats)
 
