@@ -1,15 +1,22 @@
-"""Which library runs a full-graph layer's dense products on this CPU: MKL or oneDNN.
+"""Which library runs a full-graph layer's dense products on this CPU, and into what memory.
 
-torch 2.13's CPU ``mm`` goes to MKL, which picks its kernels by CPU vendor; oneDNN (behind
-``torch.ops.mkldnn._linear_pointwise``) picks them by instruction set. MKL writes into a given
-output, so its products land in kept :mod:`~tessera.workspace` blocks; oneDNN's op returns a fresh
-tensor, which glibc maps anew and page-faults in on every step. Which costs less depends on the
-core: on Intel CPUs MKL is as fast as oneDNN (``synthetic:arxiv`` 169 k x 128 times 128 x 256, 2
-threads: 38.9 ms into a kept block against oneDNN's 76.5 ms under glibc), on an AMD EPYC Zen 5
-oneDNN ran the same products about twice as fast as MKL, and on an AMD EPYC Zen 4 MKL into a kept
-block was as fast as oneDNN's fresh outputs (``benchmarks/RESULTS.md``). So Intel CPUs use MKL
-without measuring; elsewhere one product of a training step's size is timed both ways, fresh
-output included, and oneDNN is used only when it is clearly faster. The decision is kept on disk
+Three ways to compute ``x W^T`` for an ``N x K`` float32 ``x``:
+
+- ``mkl``: torch's ``mm(out=)``, MKL writing into a kept :mod:`~tessera.workspace` block.
+- ``onednn_kept``: oneDNN writing into a kept block, zeroed, through its in-place 1x1
+  convolution with an add post-op (``torch.ops.mkldnn._convolution_pointwise_.binary``) over
+  channels-last views of the row-major matrices (``N x K`` as a ``1 x K x N x 1`` image whose
+  pixels are the rows). ``linear_add_`` adds into its accumulator with no zeroing.
+- ``onednn``: oneDNN's linear op (``torch.ops.mkldnn._linear_pointwise``), a fresh output that
+  glibc maps anew and page-faults in on every step.
+
+MKL picks its kernels by CPU vendor, oneDNN by instruction set. On Intel CPUs MKL is as fast as
+oneDNN (``synthetic:arxiv`` 169 k x 128 times 128 x 256, 2 threads: 38.9 ms into a kept block
+against oneDNN's 76.5 ms fresh under glibc) and is used without measuring. On an AMD EPYC Zen 4
+oneDNN into a kept block was the fastest for every product of an arxiv GCN step (``benchmarks/
+bench_dense.py``, ``benchmarks/RESULTS.md`` session 16). So elsewhere two products of a training
+step's size are timed all three ways once, fresh output included; a fresh output is taken only when
+it is clearly faster than the best kept one. The decision is kept on disk
 (``$TESSERA_CACHE/gemm.json``) per CPU model, torch version, thread count and preloaded allocator,
 so every process on the machine, every rank of a run included, uses the same library and gets the
 same arithmetic.
@@ -32,15 +39,19 @@ import torch
 from tessera import workspace
 from tessera.files import default_cache_dir, write_json
 
-GemmPath = Literal["mkl", "onednn"]
-_LP = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
-_VERSION = 1
-# The probe's output (40,000 x 256 float32, 41 MB) is above glibc's largest mmap threshold (32 MiB),
-# so a fresh output is mapped and faulted in as a training step's are.
-_PROBE = (40_000, 128, 256)
+GemmPath = Literal["mkl", "onednn_kept", "onednn"]
+PATHS: tuple[GemmPath, ...] = ("mkl", "onednn_kept", "onednn")
+_MKLDNN = getattr(torch.ops, "mkldnn", None)
+_LP = getattr(_MKLDNN, "_linear_pointwise", None)
+_CONV_ = getattr(getattr(_MKLDNN, "_convolution_pointwise_", None), "binary", None)
+_VERSION = 2
+# The probe: a layer's forward-like and input-gradient-like products, 70,000 rows. Both outputs
+# (72 and 36 MB) are above glibc's largest mmap threshold (32 MiB), so a fresh output is mapped
+# and faulted in as a training step's are.
+_PROBE = ((70_000, 128, 256), (70_000, 256, 128))
 _REPS = 3
-# oneDNN must beat MKL by this factor: a near tie goes to the kept blocks, which also keep a
-# steady step from mapping new memory.
+# A fresh output must beat the best kept one by this factor: a near tie goes to the kept blocks,
+# which also keep a steady step from mapping new memory.
 _MARGIN = 0.9
 _lock = threading.Lock()
 _chosen: dict[str, GemmPath] = {}
@@ -49,19 +60,22 @@ _usable: list[bool] = []
 
 
 def onednn_usable() -> bool:
-    """Whether this torch build has oneDNN's linear op and it computes ``a @ w.T`` (checked once)."""
+    """Whether this torch build has oneDNN's linear and in-place convolution ops and both compute
+    ``a @ w.T + b`` (checked once)."""
     if not _usable:
         _usable.append(_probe_onednn())
     return _usable[0]
 
 
 def _probe_onednn() -> bool:
-    if _LP is None or not torch.backends.mkldnn.is_available():
+    if _LP is None or _CONV_ is None or not torch.backends.mkldnn.is_available():
         return False
     try:
         # no random numbers: drawing them would move torch's generator and so every later seed
-        a, w = torch.arange(15.0).view(5, 3).sin(), torch.arange(12.0).view(4, 3).cos()
-        return bool(torch.allclose(_LP(a, w, None, "none", [], ""), a @ w.t(), rtol=1e-5, atol=1e-6))
+        a, w, b = torch.arange(15.0).view(5, 3).sin(), torch.arange(12.0).view(4, 3).cos(), torch.arange(4.0)
+        want = a @ w.t() + b
+        got = [_LP(a, w, b, "none", [], ""), onednn_add_(torch.zeros(5, 4), a, w, b)]
+        return all(bool(torch.allclose(t, want, rtol=1e-5, atol=1e-6)) for t in got)
     except (RuntimeError, NotImplementedError):
         return False
 
@@ -69,6 +83,28 @@ def _probe_onednn() -> bool:
 def onednn_product(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ w.T + b`` on oneDNN, into a fresh tensor."""
     return _LP(a, w, b, "none", [], "")
+
+
+def _rows_as_pixels(t: torch.Tensor) -> torch.Tensor:
+    """A row-major ``N x K`` matrix as the channels-last ``1 x K x N x 1`` image it already is."""
+    return t.view(1, t.shape[0], 1, t.shape[1]).permute(0, 3, 1, 2)
+
+
+def onednn_add_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``out += a @ w.T + b`` on oneDNN, in ``out`` itself (all contiguous; ``a`` and ``out`` with
+    at least 2 rows and 2 columns, so that their channels-last views are unambiguous)."""
+    o, k = w.shape
+    _CONV_(
+        _rows_as_pixels(out), _rows_as_pixels(a), w.view(o, k, 1, 1), b, [0, 0], [1, 1], [1, 1], 1, "add", 1.0,
+        None, [], None,
+    )  # fmt: skip
+    return out
+
+
+def kept_onednn_fits(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`onednn_add_` takes ``a`` and ``w``: contiguous, and every dimension above 1
+    (a dimension of 1 makes the channels-last views ambiguous)."""
+    return a.is_contiguous() and w.is_contiguous() and min(a.shape[0], a.shape[1], w.shape[0]) > 1
 
 
 def cpu_model() -> str:
@@ -102,8 +138,9 @@ def _key() -> str:
 
 
 def gemm_path() -> GemmPath:
-    """``"mkl"`` (products into workspace blocks) or ``"onednn"`` (fresh outputs) for this CPU,
-    torch and thread count: forced, remembered, read from disk, or measured and written there."""
+    """``"mkl"``, ``"onednn_kept"`` (both into workspace blocks) or ``"onednn"`` (fresh outputs) for
+    this CPU, torch, thread count and allocator: forced, remembered, read from disk, or measured
+    and written there."""
     if _forced:
         return _forced[-1]
     if not onednn_usable():
@@ -123,10 +160,9 @@ def _decide(key: str) -> GemmPath:
     except (OSError, ValueError):
         disk = {}
     disk = disk if isinstance(disk, dict) else {}
-    if disk.get(key) in ("mkl", "onednn"):
+    if disk.get(key) in PATHS:
         return disk[key]
-    mkl_s, onednn_s = measure()
-    choice: GemmPath = "onednn" if onednn_s < _MARGIN * mkl_s else "mkl"
+    choice = choose(measure())
     try:
         write_json(cache_file(), {**disk, key: choice})
     except OSError:
@@ -134,35 +170,49 @@ def _decide(key: str) -> GemmPath:
     return choice
 
 
-def measure(rows: int = _PROBE[0], k: int = _PROBE[1], n: int = _PROBE[2]) -> tuple[float, float]:
-    """Median seconds of one ``rows x k`` times ``k x n`` product on MKL into a kept block and on
-    oneDNN into a fresh output, alternating, after one untimed call of each."""
+def choose(seconds: dict[GemmPath, float]) -> GemmPath:
+    """The faster kept path, unless the fresh output beats it by more than the margin."""
+    kept: GemmPath = min(("mkl", "onednn_kept"), key=lambda p: seconds[p])
+    return "onednn" if seconds["onednn"] < _MARGIN * seconds[kept] else kept
+
+
+def measure(shapes: tuple[tuple[int, int, int], ...] = _PROBE) -> dict[GemmPath, float]:
+    """Seconds each way for one ``rows x k`` times ``k x n`` product of each of ``shapes``: the
+    median over repetitions, summed over the shapes."""
+    total: dict[GemmPath, float] = dict.fromkeys(PATHS, 0.0)
+    for shape in shapes:
+        for p, t in _time_shape(*shape).items():
+            total[p] += t
+    return total
+
+
+def _time_shape(rows: int, k: int, n: int) -> dict[GemmPath, float]:
+    """Median seconds of one product each way (the kept oneDNN way zeroing its block first, as a
+    product does), the ways in turn, after one untimed round."""
     # deterministic operands: no draw from torch's generator
     a = torch.arange(rows * k, dtype=torch.float32).remainder_(7.0).view(rows, k)
     w = torch.arange(n * k, dtype=torch.float32).remainder_(5.0).view(n, k)
     out = workspace.empty((rows, n))
-
-    def run_mkl() -> None:
-        torch.mm(a, w.t(), out=out)
-
-    def run_onednn() -> None:
-        onednn_product(a, w)  # the output is dropped at once, as a step drops its own
-
-    times: dict[str, list[float]] = {"mkl": [], "onednn": []}
+    runs = {
+        "mkl": lambda: torch.mm(a, w.t(), out=out),
+        "onednn_kept": lambda: onednn_add_(out.zero_(), a, w),
+        "onednn": lambda: onednn_product(a, w),  # dropped at once, as a step drops its own
+    }
+    times: dict[GemmPath, list[float]] = {p: [] for p in PATHS}
     for rep in range(_REPS + 1):
-        for name, fn in (("mkl", run_mkl), ("onednn", run_onednn)):
+        for name, fn in runs.items():
             t0 = time.perf_counter()
             fn()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    return statistics.median(times["mkl"]), statistics.median(times["onednn"])
+    return {p: statistics.median(ts) for p, ts in times.items()}
 
 
 @contextmanager
 def forced(path: GemmPath) -> Iterator[None]:
     """Within this block, :func:`gemm_path` answers ``path`` (tests and benchmarks)."""
-    if path not in ("mkl", "onednn"):
-        raise ValueError(f"unknown GEMM path {path!r}; choose mkl or onednn")
+    if path not in PATHS:
+        raise ValueError(f"unknown GEMM path {path!r}; choose {', '.join(PATHS)}")
     _forced.append(path)
     try:
         yield

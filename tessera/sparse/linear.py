@@ -1,8 +1,8 @@
 """Dense ``x W^T + b`` for full-graph layers, with autograd, writing into workspace buffers.
 
-The forward and input-gradient products run on the library :func:`~tessera.sparse.gemm_path.gemm_path`
-chose for this CPU: MKL into a kept :mod:`~tessera.workspace` block, or oneDNN into a fresh output
-where that measured clearly faster. The weight gradient (a reduction over all rows, a small output)
+The forward and input-gradient products run the way :func:`~tessera.sparse.gemm_path.gemm_path`
+chose for this CPU: MKL or oneDNN into a kept :mod:`~tessera.workspace` block, or oneDNN into a
+fresh output where that measured clearly faster. The weight gradient (a reduction over all rows, a small output)
 stays on MKL. Other devices and dtypes use ``torch.nn.functional.linear``.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera import workspace
-from tessera.sparse.gemm_path import gemm_path, onednn_product
+from tessera.sparse.gemm_path import gemm_path, kept_onednn_fits, onednn_add_, onednn_product
 from tessera.sparse.sparsity import sparse_rows
 
 
@@ -24,12 +24,24 @@ def _usable(*ts: torch.Tensor) -> bool:
 
 
 def _mm_t(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ w.T + b``: into a workspace block on MKL, else a fresh oneDNN output."""
-    a = a.contiguous()
-    if gemm_path() == "onednn":
-        return onednn_product(a, w.contiguous(), b)
+    """``a @ w.T + b``: into a workspace block (MKL, or oneDNN's in-place product), else a fresh
+    oneDNN output, by this CPU's :func:`~tessera.sparse.gemm_path.gemm_path`."""
+    a, w = a.contiguous(), w.contiguous()
+    path = gemm_path()
+    if path == "onednn":
+        return onednn_product(a, w, b)
     out = workspace.empty((a.shape[0], w.shape[0]), a.dtype)
+    if path == "onednn_kept" and kept_onednn_fits(a, w):
+        return onednn_add_(out.zero_(), a, w, b)
     return torch.mm(a, w.t(), out=out) if b is None else torch.addmm(b, a, w.t(), out=out)
+
+
+def mm_into_(out: torch.Tensor, a: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """``out = a @ wt.T`` into the contiguous ``out``, on oneDNN where this CPU's path keeps
+    oneDNN's outputs, else on MKL."""
+    if gemm_path() == "onednn_kept" and out.is_contiguous() and kept_onednn_fits(a, wt):
+        return onednn_add_(out.zero_(), a, wt)
+    return torch.mm(a, wt.t(), out=out)
 
 
 def _grads(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -69,9 +81,13 @@ class _LinearAdd(torch.autograd.Function):
     def forward(ctx, acc, x, weight):
         ctx.save_for_backward(x, weight)
         ctx.mark_dirty(acc)
-        if gemm_path() == "mkl":
-            return acc.addmm_(x.contiguous(), weight.t())  # the GEMM accumulates: no temporary, no add pass
-        return acc.add_(_mm_t(x, weight))
+        # the product accumulates into acc: no temporary, no add pass
+        path, x = gemm_path(), x.contiguous()
+        if path == "onednn_kept" and kept_onednn_fits(x, weight):
+            return onednn_add_(acc, x, weight)
+        if path == "onednn":
+            return acc.add_(_mm_t(x, weight))
+        return acc.addmm_(x, weight.t())
 
     @staticmethod
     def backward(ctx, g):

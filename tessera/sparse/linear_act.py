@@ -22,7 +22,7 @@ import torch
 
 from tessera import workspace
 from tessera.sparse.dropout import ACT_MODES, act_dropout, draw_seed, keep_threshold, run_hashed
-from tessera.sparse.linear import linear, linear_add_
+from tessera.sparse.linear import linear, linear_add_, mm_into_
 
 CHUNK_BYTES = 1 << 20
 
@@ -85,17 +85,18 @@ class _LinearAct(torch.autograd.Function):
         step = max(64, CHUNK_BYTES // (4 * max(width, 1)))
         d_buf = torch.empty((min(step, n), width), dtype=y.dtype)
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
+        wts = [w.t().contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             d = d_buf[: r1 - r0]
             run_hashed(g[r0:r1], d, ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=y[r0:r1])
             if gb is not None:
                 gb += d.sum(0)
-            for x, w, gx, gw in zip(xs, weights, gxs, gws):
+            for x, wt, gx, gw in zip(xs, wts, gxs, gws):
                 if gw is not None:
                     gw.addmm_(d.t(), x[r0:r1])
                 if gx is not None:
-                    torch.mm(d, w, out=gx[r0:r1])
+                    mm_into_(gx[r0:r1], d, wt)
         return (gb, None, None, None, None, None, *gxs, *gws)
 
 
