@@ -65,16 +65,21 @@ def test_measure_times_both_paths_on_a_small_product():
     assert set(seconds) == set(gemm_path.PATHS) and all(0 < t < 1 for t in seconds.values())
 
 
+@pytest.fixture(params=gemm_path.PATHS)
+def path(request):
+    """Each GEMM path this torch build can run."""
+    if request.param != "mkl" and not gemm_path.onednn_usable():
+        pytest.skip("this torch build has no oneDNN ops")
+    return request.param
+
+
 def test_forced_rejects_an_unknown_path():
     with pytest.raises(ValueError, match="mkl, onednn_kept, onednn"):
         with gemm_path.forced("blas"):
             pass
 
 
-@pytest.mark.parametrize("path", gemm_path.PATHS)
 def test_every_path_gives_torchs_values_and_gradients(path):
-    if path != "mkl" and not gemm_path.onednn_usable():
-        pytest.skip("this torch build has no oneDNN linear op")
     torch.manual_seed(3)
     x = torch.randn(3000, 48, requires_grad=True)
     w = torch.randn(64, 48, requires_grad=True)
@@ -93,10 +98,7 @@ def test_every_path_gives_torchs_values_and_gradients(path):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", gemm_path.PATHS)
 def test_linear_split_equals_one_product_per_weight(path):
-    if path != "mkl" and not gemm_path.onednn_usable():
-        pytest.skip("this torch build has no oneDNN linear op")
     torch.manual_seed(5)
     x = torch.randn(2500, 32, requires_grad=True)
     ws = [torch.randn(7, 32, requires_grad=True), torch.randn(11, 32, requires_grad=True)]
