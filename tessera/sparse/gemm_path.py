@@ -24,6 +24,7 @@ same arithmetic.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -107,8 +108,10 @@ def kept_onednn_fits(a: torch.Tensor, w: torch.Tensor) -> bool:
     return a.is_contiguous() and w.is_contiguous() and min(a.shape[0], a.shape[1], w.shape[0]) > 1
 
 
+@functools.cache
 def cpu_model() -> str:
-    """The CPU's vendor and model name from ``/proc/cpuinfo`` (empty where there is none)."""
+    """The CPU's vendor and model name from ``/proc/cpuinfo`` (empty where there is none; read once:
+    every product asks for its path)."""
     vendor = model = ""
     try:
         with open("/proc/cpuinfo") as f:
