@@ -57,18 +57,12 @@ _MARGIN = 0.9
 _lock = threading.Lock()
 _chosen: dict[str, GemmPath] = {}
 _forced: list[GemmPath] = []
-_usable: list[bool] = []
 
 
+@functools.cache
 def onednn_usable() -> bool:
     """Whether this torch build has oneDNN's linear and in-place convolution ops and both compute
     ``a @ w.T + b`` (checked once)."""
-    if not _usable:
-        _usable.append(_probe_onednn())
-    return _usable[0]
-
-
-def _probe_onednn() -> bool:
     if _LP is None or _CONV_ is None or not torch.backends.mkldnn.is_available():
         return False
     try:

@@ -2,8 +2,8 @@
 
 The forward and input-gradient products run the way :func:`~tessera.sparse.gemm_path.gemm_path`
 chose for this CPU: MKL or oneDNN into a kept :mod:`~tessera.workspace` block, or oneDNN into a
-fresh output where that measured clearly faster. The weight gradient (a reduction over all rows, a small output)
-stays on MKL. Other devices and dtypes use ``torch.nn.functional.linear``.
+fresh output where that measured clearly faster. The weight gradient (a reduction over all rows,
+a small output) stays on MKL. Other devices and dtypes use ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
@@ -27,21 +27,17 @@ def _mm_t(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> to
     """``a @ w.T + b``: into a workspace block (MKL, or oneDNN's in-place product), else a fresh
     oneDNN output, by this CPU's :func:`~tessera.sparse.gemm_path.gemm_path`."""
     a, w = a.contiguous(), w.contiguous()
-    path = gemm_path()
-    if path == "onednn":
+    if gemm_path() == "onednn":
         return onednn_product(a, w, b)
-    out = workspace.empty((a.shape[0], w.shape[0]), a.dtype)
-    if path == "onednn_kept" and kept_onednn_fits(a, w):
+    return mm_into_(workspace.empty((a.shape[0], w.shape[0]), a.dtype), a, w, b)
+
+
+def mm_into_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = a @ w.T + b`` into the contiguous ``out``: on oneDNN where this CPU's path keeps
+    oneDNN's outputs, else on MKL."""
+    if gemm_path() == "onednn_kept" and out.is_contiguous() and kept_onednn_fits(a, w):
         return onednn_add_(out.zero_(), a, w, b)
     return torch.mm(a, w.t(), out=out) if b is None else torch.addmm(b, a, w.t(), out=out)
-
-
-def mm_into_(out: torch.Tensor, a: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``out = a @ wt.T`` into the contiguous ``out``, on oneDNN where this CPU's path keeps
-    oneDNN's outputs, else on MKL."""
-    if gemm_path() == "onednn_kept" and out.is_contiguous() and kept_onednn_fits(a, wt):
-        return onednn_add_(out.zero_(), a, wt)
-    return torch.mm(a, wt.t(), out=out)
 
 
 def _grads(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
