@@ -139,6 +139,7 @@ def test_mirror_transpose_refuses_asymmetric_or_unsorted_structure():
     unsorted = indices.copy()
     unsorted[indptr[3] : indptr[4]] = unsorted[indptr[3] : indptr[4]][::-1]  # row 3 (the hub) reversed
     assert not mirror_transpose(indptr, unsorted, perm)
+    assert not mirror_transpose(indptr[:4], indices[: indptr[3]], perm)  # not square: columns past the rows
     g = Graph.from_csr(indptr, one_way, n)  # a Graph that is not symmetric gets the counting transpose
     t = g.transpose()
     want = transpose_csr(g.indptr.numpy(), g.indices.numpy(), n, np.int32)

@@ -210,3 +210,21 @@ def test_checkpoint_from_before_the_package_reorganisation_resumes(tmp_path, cap
     assert losses(resumed)[:4] == [h["train_loss"] for h in old["history"]]  # kept as written
     np.testing.assert_allclose(losses(resumed), losses(straight), rtol=1e-5)
     assert load_checkpoint(resumed / "checkpoint.pt")["epoch"] == 6
+
+
+def test_a_training_step_imports_no_symbolic_shapes_package():
+    # torch.autograd.grad with given output gradients imports torch.fx's symbolic shapes and so
+    # sympy (0.4 s of a first step); the training step's own backward must not need it
+    code = (
+        "import sys\n"
+        "from tessera.datasets import load\n"
+        "from tessera.train.config import TrainConfig\n"
+        "from tessera.train.loop import Trainer\n"
+        "g = load('synthetic:tiny')\n"
+        "for model in ('gcn', 'sage', 'gin', 'gat'):\n"
+        "    cfg = TrainConfig(model=model, dataset='synthetic:tiny', hidden=16, epochs=1, out=sys.argv[1], progress=False)\n"
+        "    Trainer(cfg, g).train_step()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sympy')[:3])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "unused"], check=True, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -85,36 +85,25 @@ def _with_self_loops(indptr, indices, kept, new_indptr, out_indices, take):
         _sort_span(out_indices, take, new_indptr[r], p)  # linear on a row already sorted
 
 
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _mirror(indptr, indices, perm, bad):
-    # Row i's run of column j pairs with row j's run of column i, occurrence by occurrence: in a
-    # symmetric CSR with sorted rows that is the entry transpose_csr would place there.
-    for i in numba.prange(indptr.size - 1):
-        q, end = indptr[i], indptr[i + 1]
-        while q < end:
+@numba.njit(cache=True, nogil=True)
+def _mirror(indptr, indices, perm):
+    # Rows in ascending order: row i's k-th entry of column j pairs with the next unpaired slot of
+    # row j, which in a symmetric CSR with sorted rows holds column i (the entry transpose_csr
+    # would place there). Every pairing is checked, so a pass without a mismatch has matched each
+    # entry with a distinct mirror entry: the structure is symmetric and every row sorted.
+    n = indptr.size - 1
+    cursor = indptr[:-1].copy()
+    for i in range(n):
+        for q in range(indptr[i], indptr[i + 1]):
             j = indices[q]
-            if q > indptr[i] and j < indices[q - 1]:
-                bad[i] = 1
-                break
-            q2 = q + 1
-            while q2 < end and indices[q2] == j:
-                q2 += 1
-            lo, hi = indptr[j], indptr[j + 1]
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if indices[mid] < i:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            b2 = lo
-            while b2 < indptr[j + 1] and indices[b2] == i:
-                b2 += 1
-            if b2 - lo != q2 - q:
-                bad[i] = 1
-                break
-            for t in range(q2 - q):
-                perm[q + t] = lo + t
-            q = q2
+            if j < 0 or j >= n:
+                return False
+            p = cursor[j]
+            if p >= indptr[j + 1] or indices[p] != i:
+                return False
+            perm[q] = p
+            cursor[j] = p + 1
+    return True
 
 
 @numba.njit(cache=True, nogil=True)
@@ -200,12 +189,9 @@ def mirror_transpose(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray) 
     """Whether a square CSR equals its own transpose in structure (rows sorted, every entry
     ``j -> i`` matched by an ``i -> j``, duplicates alike); if so ``perm`` (E entries, written)
     holds what :func:`transpose_csr` would return as ``perm``, whose ``t_indptr`` and ``t_indices``
-    are then ``indptr`` and ``indices``. One parallel pass of binary searches, no E-entry copies."""
+    are then ``indptr`` and ``indices``. One pass over the entries, no E-entry copies."""
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
-    bad = np.zeros(indptr.size - 1, np.uint8)
-    sync_numba_threads()
-    _mirror(indptr, indices, perm, bad)
-    return not bad.any()
+    return bool(_mirror(indptr, indices, perm))
 
 
 def same_through(values: np.ndarray, perm: np.ndarray) -> bool:
