@@ -25,7 +25,7 @@ def test_linear_act_equals_linear_then_act_dropout(act, p, pairs, keyed):
     g = torch.randn(n, f_out)
     got = torch.autograd.grad(y, [*xs, *ws, b], g)
     torch.manual_seed(7)
-    z = sparse.linear(xs[0], ws[0]).add_(b)
+    z = sparse.linear(xs[0], ws[0], b)
     for x, w in zip(xs[1:], ws[1:]):
         z = sparse.linear_add_(z, x, w)
     want_y = sparse.act_dropout(z, act, p, True, rows)
@@ -38,7 +38,7 @@ def test_linear_act_equals_linear_then_act_dropout(act, p, pairs, keyed):
 
 def test_linear_act_without_epilogue_is_the_linear_map():
     x, w, b = torch.randn(50, 8), torch.randn(16, 8), torch.randn(16)
-    assert torch.equal(linear_act([x], [w], b, None), sparse.linear(x, w).add_(b))
+    assert torch.equal(linear_act([x], [w], b, None), sparse.linear(x, w, b))
     with pytest.raises(ValueError, match="inputs for"):
         linear_act([x], [w, w], b, None)
 

@@ -8,9 +8,9 @@ the rows in chunks of about a megabyte: each chunk's pre-activation gradient is 
 and consumed there by the weight, bias and input gradient products, so it never exists whole
 and is never written to memory.
 
-The forward values are those of the composition (same products, bias added the same way, same
-dropout draw); the weight and bias gradients are sums over row chunks, so their last bits may
-differ from one product over all rows.
+The forward values are those of the composition (the same products, the bias added by the first
+product as ``linear(x, W, b)`` adds it, the same dropout draw); the weight and bias gradients are
+sums over row chunks, so their last bits may differ from one product over all rows.
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ def _fusable(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], ep: Ep
 
 
 def _product(xs, weights, bias) -> torch.Tensor:
-    """``x_0 W_0^T``, then ``+ b``, then ``+ x_i W_i^T``: in the order the unfused layers add them."""
-    z = linear(xs[0], weights[0])
-    if bias is not None:
-        z = z.add_(bias)
+    """``x_0 W_0^T + b``, then ``+ x_i W_i^T``: in the order the unfused layers add them, the bias
+    added by the first product's kernel rather than in a pass of its own."""
+    z = linear(xs[0], weights[0], bias)
     for x, w in zip(xs[1:], weights[1:]):
         z = linear_add_(z, x, w)
     return z
