@@ -6,7 +6,7 @@ import torch
 
 from tessera.graph import Graph
 from tessera.graph.graph import all_finite
-from tessera.graph.sorting import mirror_transpose, renumbered_csr, transpose_csr
+from tessera.graph.sorting import mirror_transpose, renumbered_csr, same_through, transpose_csr
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -122,6 +122,20 @@ def test_mirror_transpose_is_transpose_csr_for_symmetric_structure(dtype):
     g = Graph.from_csr(indptr, indices, n)
     t = g.transpose()
     assert t.indices is g.indices and t.indptr is g.indptr and np.array_equal(t.perm.numpy(), want)
+
+
+def test_same_through_tells_symmetric_values_from_others():
+    rng = np.random.default_rng(5)
+    n = 40
+    indptr, indices = _symmetric_csr(rng, n, 500)
+    perm = np.empty(indices.size, np.int64)
+    assert mirror_transpose(indptr, indices, perm)
+    rows = np.repeat(np.arange(n), np.diff(indptr))
+    sym = (rows + 1.0) * (indices + 1.0)  # w_ij = w_ji
+    assert same_through(sym, perm)
+    skew = sym.copy()
+    skew[np.flatnonzero(rows != indices)[7]] += 1.0  # one off-diagonal entry changed, its mirror not
+    assert not same_through(skew, perm)
 
 
 def test_mirror_transpose_refuses_asymmetric_or_unsorted_structure():

@@ -85,33 +85,59 @@ def _with_self_loops(indptr, indices, kept, new_indptr, out_indices, take):
         _sort_span(out_indices, take, new_indptr[r], p)  # linear on a row already sorted
 
 
-@numba.njit(cache=True, nogil=True)
-def _mirror(indptr, indices, perm):
-    # Rows in ascending order: row i's k-th entry of column j pairs with the next unpaired slot of
-    # row j, which in a symmetric CSR with sorted rows holds column i (the entry transpose_csr
-    # would place there). Every pairing is checked, so a pass without a mismatch has matched each
-    # entry with a distinct mirror entry: the structure is symmetric and every row sorted.
+@numba.njit(nogil=True, inline="always")
+def _first_at_least(indices, a, b, v):
+    # the first position in [a, b) of a sorted run whose column is >= v
+    while a < b:
+        m = (a + b) // 2
+        if indices[m] < v:
+            a = m + 1
+        else:
+            b = m
+    return a
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _mirror(indptr, indices, perm, bounds, ok):
+    # Each part t walks its rows [bounds[t], bounds[t + 1]) in order: row i's k-th entry of column
+    # j pairs with the next unpaired slot of row j among those holding the part's columns, which
+    # in a symmetric CSR with sorted rows holds column i (the entry transpose_csr would place
+    # there). Every pairing is checked, and a slot of column i can only be paired by row i's part,
+    # so passes without a mismatch have matched each entry with a distinct mirror entry: the
+    # structure is symmetric, and with every row checked sorted, perm is transpose_csr's.
     n = indptr.size - 1
-    cursor = indptr[:-1].copy()
-    for i in range(n):
-        for q in range(indptr[i], indptr[i + 1]):
-            j = indices[q]
-            if j < 0 or j >= n:
-                return False
-            p = cursor[j]
-            if p >= indptr[j + 1] or indices[p] != i:
-                return False
-            perm[q] = p
-            cursor[j] = p + 1
-    return True
+    for t in numba.prange(bounds.size - 1):
+        b0, b1 = bounds[t], bounds[t + 1]
+        cursor = np.empty(n, np.int64)
+        stop = np.empty(n, np.int64)
+        for j in range(n):
+            cursor[j] = _first_at_least(indices, indptr[j], indptr[j + 1], b0)
+            stop[j] = _first_at_least(indices, cursor[j], indptr[j + 1], b1)
+        good = True
+        for i in range(b0, b1):
+            for q in range(indptr[i], indptr[i + 1]):
+                j = indices[q]
+                if j < 0 or j >= n or (q > indptr[i] and j < indices[q - 1]):
+                    good = False
+                    break
+                p = cursor[j]
+                if p >= stop[j] or indices[p] != i:
+                    good = False
+                    break
+                perm[q] = p
+                cursor[j] = p + 1
+            if not good:
+                break
+        ok[t] = good
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _same_through(values, perm):
-    for q in range(perm.size):
-        if values[perm[q]] != values[q]:
-            return False
-    return True
+    # counted on all threads: the answer expected is yes, which reads every entry anyway
+    differ = 0
+    for q in numba.prange(perm.size):
+        differ += values[perm[q]] != values[q]
+    return differ == 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -189,11 +215,22 @@ def mirror_transpose(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray) 
     """Whether a square CSR equals its own transpose in structure (rows sorted, every entry
     ``j -> i`` matched by an ``i -> j``, duplicates alike); if so ``perm`` (E entries, written)
     holds what :func:`transpose_csr` would return as ``perm``, whose ``t_indptr`` and ``t_indices``
-    are then ``indptr`` and ``indices``. One pass over the entries, no E-entry copies."""
+    are then ``indptr`` and ``indices``. One pass over the entries, split over the threads by
+    rows, no E-entry copies."""
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
-    return bool(_mirror(indptr, indices, perm))
+    n = indptr.size - 1
+    sync_numba_threads()
+    parts = max(1, min(numba.get_num_threads(), n))
+    # parts of about equal entry counts
+    bounds = np.searchsorted(indptr, np.linspace(0, indices.size, parts + 1)).astype(np.int64)
+    bounds[0], bounds[-1] = 0, n
+    np.maximum.accumulate(np.minimum(bounds, n), out=bounds)
+    ok = np.zeros(parts, np.bool_)
+    _mirror(indptr, indices, perm, bounds, ok)
+    return bool(ok.all())
 
 
 def same_through(values: np.ndarray, perm: np.ndarray) -> bool:
     """Whether ``values[perm]`` equals ``values`` entry for entry (checked without the copy)."""
+    sync_numba_threads()
     return bool(_same_through(values, perm))
