@@ -1,7 +1,7 @@
 """Dense products of a full-graph epoch: MKL into a fresh output (torch's ``mm``), MKL into a kept
 block (``mm(out=)``, what tessera's ``mkl`` path does), oneDNN into a fresh output (its
 ``onednn`` path), and oneDNN into a kept block through an in-place 1x1 convolution with an add
-post-op (zeroed first; a candidate path, not used by tessera yet).
+post-op (zeroed first: its ``onednn_kept`` path).
 
 Times, on ``--threads`` threads, the GEMM shapes of a 2-layer GCN epoch on an arxiv-sized graph
 (N x F_in times F_in x F_out forward, the input gradient, the weight gradient), median of
@@ -11,9 +11,9 @@ Times, on ``--threads`` threads, the GEMM shapes of a 2-layer GCN epoch on an ar
 
     python benchmarks/bench_dense.py --threads 2
 
-``--bf16`` prints instead, per product, fp32 into a kept output (``torch.mm(out=)``, MKL) against
-bfloat16 inputs and output (torch's oneDNN bf16 GEMM): whether half-width storage would make the
-GEMMs of a step faster on this CPU.
+``--bf16`` prints instead, per product, fp32 into a kept output the way tessera computes it on this
+CPU (its GEMM path; the weight gradient on MKL) against bfloat16 inputs and output (torch's oneDNN
+bf16 GEMM, into a kept output): whether half-width storage would make the GEMMs of a step faster.
 
     python benchmarks/bench_dense.py --threads 2 --bf16
 """
@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from tessera.sparse.gemm_path import cpu_model, gemm_path, onednn_product, onednn_usable
+from tessera.sparse.gemm_path import cpu_model, gemm_path, onednn_add_, onednn_product, onednn_usable
+from tessera.sparse.linear import mm_into_
 from tessera.threads import set_num_threads
 
 
@@ -52,13 +53,13 @@ def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
             lambda: x.mm(w.t()),
             lambda: torch.mm(x, w.t(), out=y),
             lambda: onednn_product(x, w),
-            lambda: conv_add(y.zero_(), x, w),
+            lambda: onednn_add_(y.zero_(), x, w),
         ),
         f"input grad g W, {rows}x{fo} . {fo}x{fi}": (
             lambda: g.mm(w),
             lambda: torch.mm(g, w, out=gx),
             lambda: onednn_product(g, wt),
-            lambda: conv_add(gx.zero_(), g, wt),
+            lambda: onednn_add_(gx.zero_(), g, wt),
         ),
     }
     for name, fns in cases.items():
@@ -74,31 +75,27 @@ def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
     )
 
 
-def conv_add(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``out += x @ w.T`` on oneDNN into ``out`` itself: an in-place 1x1 convolution with an add
-    post-op over channels-last views of the row-major matrices (a candidate third path)."""
-
-    def rows_as_pixels(t: torch.Tensor) -> torch.Tensor:
-        return t.view(1, t.shape[0], 1, t.shape[1]).permute(0, 3, 1, 2)
-
-    o, k = w.shape
-    torch.ops.mkldnn._convolution_pointwise_.binary(
-        rows_as_pixels(out), rows_as_pixels(x), w.view(o, k, 1, 1), None, [0, 0], [1, 1], [1, 1], 1, "add", 1.0,
-        None, [], None,
-    )  # fmt: skip
-    return out
-
-
 def bf16_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
-    """Print the fp32 vs bf16 rows of one ``fi -> fo`` layer (fp32 into a kept output)."""
-    x, w, g = torch.randn(rows, fi), torch.randn(fi, fo), torch.randn(rows, fo)
-    xb, wb, gb = x.bfloat16(), w.bfloat16(), g.bfloat16()
+    """Print the fp32 vs bf16 rows of one ``fi -> fo`` layer, every output kept."""
+    x, w, g = torch.randn(rows, fi), torch.randn(fo, fi), torch.randn(rows, fo)
+    wt = w.t().contiguous()
+    xb, wb, wtb, gb = x.bfloat16(), w.bfloat16(), wt.bfloat16(), g.bfloat16()
     flops = 2.0 * rows * fi * fo
-    y, gx, gw = torch.empty(rows, fo), torch.empty(rows, fi), torch.empty(fi, fo)
+    y, gx, gw = torch.empty(rows, fo), torch.empty(rows, fi), torch.empty(fo, fi)
+    yb, gxb, gwb = y.bfloat16(), gx.bfloat16(), gw.bfloat16()
     cases = {
-        f"forward x W, {rows}x{fi} . {fi}x{fo}": (lambda: torch.mm(x, w, out=y), lambda: xb.mm(wb)),
-        f"input grad g W^T, {rows}x{fo} . {fo}x{fi}": (lambda: torch.mm(g, w.t(), out=gx), lambda: gb.mm(wb.t())),
-        f"weight grad x^T g, {fi}x{rows} . {rows}x{fo}": (lambda: torch.mm(x.t(), g, out=gw), lambda: xb.t().mm(gb)),
+        f"forward x W^T, {rows}x{fi} . {fi}x{fo}": (
+            lambda: mm_into_(y, x, w),
+            lambda: torch.mm(xb, wb.t(), out=yb),
+        ),
+        f"input grad g W, {rows}x{fo} . {fo}x{fi}": (
+            lambda: mm_into_(gx, g, wt),
+            lambda: torch.mm(gb, wtb.t(), out=gxb),
+        ),
+        f"weight grad g^T x, {fo}x{rows} . {rows}x{fi}": (
+            lambda: torch.mm(g.t(), x, out=gw),
+            lambda: torch.mm(gb.t(), xb, out=gwb),
+        ),
     }
     for name, (fp32, bf16) in cases.items():
         t32, t16 = median_s(fp32, repeats), median_s(bf16, repeats)
@@ -125,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print()
     if a.bf16:
-        print("| product | fp32 ms | GFLOPS | bf16 ms | GFLOPS | bf16 speed-up |")
+        print(f"| product | fp32 ({gemm_path()}) ms | GFLOPS | bf16 ms | GFLOPS | bf16 speed-up |")
         print("|---|---:|---:|---:|---:|---:|")
     else:
         print(
