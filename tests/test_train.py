@@ -212,7 +212,7 @@ def test_checkpoint_from_before_the_package_reorganisation_resumes(tmp_path, cap
     assert load_checkpoint(resumed / "checkpoint.pt")["epoch"] == 6
 
 
-def test_a_training_step_imports_no_symbolic_shapes_package():
+def test_a_training_step_imports_no_symbolic_shapes_package(tmp_path):
     # torch.autograd.grad with given output gradients imports torch.fx's symbolic shapes and so
     # sympy (0.4 s of a first step); the training step's own backward must not need it
     code = (
@@ -226,5 +226,7 @@ def test_a_training_step_imports_no_symbolic_shapes_package():
         "    Trainer(cfg, g).train_step()\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sympy')[:3])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, "unused"], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")], check=True, capture_output=True, text=True, cwd=tmp_path
+    )
     assert out.stdout.strip() == "[]", out.stdout

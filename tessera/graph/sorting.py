@@ -223,10 +223,9 @@ def mirror_transpose(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray) 
     # each part holds two int64 cursors per vertex: at most E / 8n parts keeps them within two
     # bytes per entry (half an int32 perm), however many threads a sparse graph meets
     parts = max(1, min(numba.get_num_threads(), n, indices.size // max(8 * n, 1)))
-    # parts of about equal entry counts
+    # parts of about equal entry counts (searchsorted of ascending offsets: ascending rows <= n)
     bounds = np.searchsorted(indptr, np.linspace(0, indices.size, parts + 1)).astype(np.int64)
     bounds[0], bounds[-1] = 0, n
-    np.maximum.accumulate(np.minimum(bounds, n), out=bounds)
     ok = np.zeros(parts, np.bool_)
     _mirror(indptr, indices, perm, bounds, ok)
     return bool(ok.all())
