@@ -70,6 +70,7 @@ class Workspace:
     def __init__(self, min_bytes: int = MIN_BYTES) -> None:
         self.min_bytes = min_bytes
         self._blocks: dict[tuple[int, torch.dtype], list[np.ndarray]] = {}
+        self._starts: set[int] = set()  # each block's address
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of ``shape``: a free block when one fits, else a new one."""
@@ -85,6 +86,7 @@ class Workspace:
                 return torch.from_numpy(block.reshape(tuple(shape)))
         block = _new_block(numel, _NUMPY[dtype])
         blocks.append(block)
+        self._starts.add(block.ctypes.data)
         return torch.from_numpy(block.reshape(tuple(shape)))
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
@@ -97,6 +99,11 @@ class Workspace:
         """:meth:`empty`, zero-filled."""
         return self.empty(shape, dtype).zero_()
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s memory is one of this workspace's blocks: a value of one step, which
+        nothing may keep anything derived from across steps."""
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self._starts
+
     def held_bytes(self) -> int:
         """Bytes of every block held, in use or free."""
         return sum(n * len(b) for (n, _), b in self._blocks.items())
@@ -105,9 +112,10 @@ class Workspace:
         """Drop every free block (tensors in use keep theirs); returns the bytes dropped."""
         dropped = 0
         for key, blocks in self._blocks.items():
-            keep = [b for b in blocks if not _free(b)]
-            dropped += key[0] * (len(blocks) - len(keep))
-            blocks[:] = keep
+            gone = [b for b in blocks if _free(b)]
+            dropped += key[0] * len(gone)
+            self._starts.difference_update(b.ctypes.data for b in gone)
+            blocks[:] = [b for b in blocks if not any(b is g for g in gone)]
         return dropped
 
 
@@ -148,6 +156,11 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
 def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:meth:`Workspace.zeros` on the process's workspace."""
     return DEFAULT.zeros(shape, dtype)
+
+
+def holds(t: torch.Tensor) -> bool:
+    """:meth:`Workspace.holds` on the process's workspace."""
+    return DEFAULT.holds(t)
 
 
 def release() -> int:

@@ -118,3 +118,49 @@ def test_rectangular_csr_rows():
     got = grads(lambda m, s, d: gat_attention(m, s, d[:k]), m, a_src, a_dst)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def _attend_both_ways(g, heads, dtype, p, backend, fused):
+    """``attend``'s output and input gradients, or the three-node composition's, from one seed."""
+    gen = torch.Generator().manual_seed(3)
+    a_src, a_dst = (torch.randn(g.num_nodes, heads, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
+    h = torch.randn(g.num_nodes, heads, 5, generator=gen, dtype=dtype).requires_grad_()
+    go = torch.randn(g.num_nodes, heads, 5, generator=gen, dtype=dtype)
+    keys = sparse.edge_keys(g, torch.arange(g.num_nodes) * 7 + 1, torch.arange(g.num_nodes) * 7 + 1)
+    a = sparse.as_operand(g, backend)
+    torch.manual_seed(11)
+    if fused:
+        out = sparse.attend(a, g, a_src, a_dst, h, 0.2, p, keys if p else None)
+    else:
+        alpha = gat_attention(g, a_src, a_dst, 0.2)
+        out = sparse.aggregate(a, h, "sum", sparse.dropout(alpha, p, True, keys) if p else alpha)
+    return (out, *torch.autograd.grad(out, (a_src, a_dst, h), go), torch.rand(1))
+
+
+@pytest.mark.parametrize("backend", ["csr", "reference"])
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("p", [0.0, 0.4])
+def test_attend_is_attention_dropout_then_aggregate_bit_for_bit(path, backend, heads, dtype, p):
+    """One node gives the composition's values, gradients and random draw (same seed, same
+    masks keyed by the edge ids, the generator left where the composition leaves it)."""
+    g = awkward_graph()
+    want = _attend_both_ways(g, heads, dtype, p, backend, False)
+    got = _attend_both_ways(g, heads, dtype, p, backend, True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_attend_keeps_at_most_two_edge_by_head_tensors(monkeypatch):
+    """Forward and backward of ``attend`` with dropout take two E x heads blocks from the
+    workspace (the composition took three: alpha, its gradient and the score gradient)."""
+    from tessera import workspace
+    from tessera.graph.synthetic import generate
+
+    g = generate("tiny", seed=0)
+    heads = max(1, -(-workspace.MIN_BYTES // (4 * g.num_edges)))  # an E x heads block above the workspace's minimum
+    ws = workspace.Workspace()
+    monkeypatch.setattr(workspace, "DEFAULT", ws)
+    _attend_both_ways(g, heads, torch.float32, 0.5, "csr", True)
+    blocks = ws._blocks.get((g.num_edges * heads * 4, torch.float32), [])
+    assert len(blocks) == 2

@@ -384,3 +384,33 @@ def test_backward_product_of_mostly_zero_rows_gathers_only_live_rows(monkeypatch
     before = len(plans)
     _close(csr.spmm_t(g, dense, w), ref.spmm_t(g, dense, w))
     assert len(plans) == before  # most rows live: the full transposed CSR
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_per_head_weights_of_one_step_are_read_through_the_permutation(heads):
+    """A transposed product by per-head weights that change every step (trainable, or in a
+    workspace block) reads them through the transpose's permutation instead of a permuted copy:
+    bit for bit the product by the permuted copy a fixed weight gets, and no copy is kept."""
+    from tessera import workspace
+
+    g = awkward_graph()
+    csr = get_backend("csr")
+    gen = torch.Generator().manual_seed(4)
+    w = torch.rand(g.num_edges, heads, generator=gen)
+    x = torch.randn(g.num_nodes, heads, 6, generator=gen)
+    fixed = csr.spmm_t(g, x, w)
+    trainable = csr.spmm_t(g, x, w.clone().requires_grad_())
+    ws = workspace.Workspace(min_bytes=0)
+    block = ws.empty(w.shape)
+    block.copy_(w)
+    assert ws.holds(block) and not ws.holds(w)
+    held = workspace.DEFAULT
+    try:
+        workspace.DEFAULT = ws
+        in_block = csr.spmm_t(g, x, block)
+    finally:
+        workspace.DEFAULT = held
+    assert torch.equal(trainable, fixed) and torch.equal(in_block, fixed)
+    dense = torch.stack([dense_adjacency(g, w[:, h]).T.float() @ x[:, h] for h in range(heads)], 1)
+    torch.testing.assert_close(fixed, dense, rtol=1e-5, atol=1e-5)
+    assert csr.plans.entries(g)["transposed_weight"][torch.float32][0]() is w  # the fixed weight's copy only

@@ -182,3 +182,35 @@ def test_transposed_product_of_a_symmetric_graph(symmetric_values):
         assert (wt is w) == symmetric_values
         got = backend.spmm_t(g, x, w)
         torch.testing.assert_close(got.double(), dense.T @ x.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_kept_transposed_weight_goes_when_its_weight_dies():
+    """A fixed weight's permuted copy is kept only while the weight lives: a weight used once (a
+    measured trial's) must not leave E entries behind for as long as the graph lives."""
+    import gc
+
+    from tessera.backends import get_backend
+
+    g = Graph.from_csr(*_symmetric_csr(np.random.default_rng(2), 30, 200), 30)
+    backend = get_backend("reference")
+    w = torch.rand(g.num_edges)
+    wt = backend.transposed_weight(g, w)
+    memo = backend.plans.entries(g)["transposed_weight"]
+    assert memo[torch.float32][2] is wt
+    assert backend.transposed_weight(g, w) is wt  # kept while w lives
+    del w
+    gc.collect()
+    assert torch.float32 not in memo
+
+
+def test_a_measured_backend_trial_keeps_nothing_derived_from_its_weight(tmp_path, monkeypatch):
+    """The trial multiplies by the weight itself: a weight that requires grad changes every step,
+    so no backend keeps a permuted copy of it (a copy kept from a detached alias outlived it)."""
+    from tessera.backends import get_backend, select
+
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    g = Graph.from_csr(*_symmetric_csr(np.random.default_rng(3), 30, 200), 30)
+    w = torch.rand(g.num_edges, 2, requires_grad=True)
+    select.measure(g, torch.randn(30, 2, 4), w, ["csr", "reference"], True, reps=1)
+    for name in ("csr", "reference"):
+        assert not get_backend(name).plans.entries(g).get("transposed_weight")

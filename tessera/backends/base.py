@@ -35,6 +35,12 @@ def traffic_bytes(matrix: CSRStructure, width: int, weighted: bool, transposed: 
 REFERENCE_BANDWIDTH = 17e9
 
 
+def changes_every_step(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a value of one step (trainable, or in a workspace block, as a
+    layer's attention weights are) rather than fixed: nothing derived from it is worth keeping."""
+    return weight.requires_grad or workspace.holds(weight)
+
+
 class Backend(ABC):
     """An aggregation kernel set. ``x`` is ``(num_cols, F)`` or ``(num_cols, H, F)``; ``weight`` is
     ``None`` (all ones), ``(E,)`` or ``(E, H)`` in the CSR's entry order. A backend keeps whatever
@@ -58,9 +64,10 @@ class Backend(ABC):
         edge weight such as the GCN normalisation) the permuted copy is kept while ``weight`` is
         alive and its version counter unchanged, so it is permuted once, not every backward
         (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
-        callers change them through ``.data``, which the version counter does not see."""
+        callers change them through ``.data``, which the version counter does not see; so are
+        weights in workspace blocks, each a value of one step (:func:`changes_every_step`)."""
         perm = graph.transpose().perm  # as stored (int32 where it fits): no int64 copy of E entries kept
-        if weight.requires_grad:
+        if changes_every_step(weight):
             out = workspace.empty((perm.numel(), *weight.shape[1:]), weight.dtype)
             return torch.index_select(weight.detach(), 0, perm, out=out)
         memo = self.plans.get(graph, "transposed_weight", dict)
@@ -85,7 +92,21 @@ class Backend(ABC):
         ``weight`` is alive and unchanged (one permuted elsewhere, such as a shared copy; None:
         ``weight`` itself)."""
         memo = self.plans.get(graph, "transposed_weight", dict)
-        memo[weight.dtype] = (weakref.ref(weight), weight._version, wt)
+        memo[weight.dtype] = (weakref.ref(weight, self._forget_weight(graph, weight.dtype)), weight._version, wt)
+
+    def _forget_weight(self, graph: CSRStructure, dtype: torch.dtype):
+        """A weakref callback that drops the permuted copy kept for a weight once the weight dies:
+        kept, it would hold E entries per head as long as the graph lives (a measured trial's
+        attention weights on products: 784 MB per backend)."""
+        graph_ref = weakref.ref(graph)
+
+        def forget(ref: weakref.ref) -> None:
+            g = graph_ref()
+            memo = None if g is None else self.plans.entries(g).get("transposed_weight")
+            if memo is not None and memo.get(dtype, (None,))[0] is ref:
+                del memo[dtype]
+
+        return forget
 
     @abstractmethod
     def spmm(self, matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:

@@ -49,7 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tessera import workspace
-from tessera.backends.base import Backend
+from tessera.backends.base import Backend, changes_every_step
 from tessera.graph.csr import CSRStructure
 from tessera.sparse.sparsity import sparse_rows
 from tessera.threads import sync_numba_threads
@@ -388,12 +388,14 @@ def _spmm_masked(indptr, indices, w, has_w, x, mask, words, scale, has_scale, ou
 
 
 @numba.njit(**_JIT)
-def _spmm_heads(indptr, indices, w, x, x2, out, items, dist):
-    # x, out: (N, H, F); x2: x viewed as (N, H * F) for prefetching; w: (E, H). Items split rows.
+def _spmm_heads(indptr, indices, w, wpos, has_pos, x, x2, out, items, dist):
+    # x, out: (N, H, F); x2: x viewed as (N, H * F) for prefetching; w: (E, H), entry e's row
+    # wpos[e] when has_pos (a transposed product reading untransposed weights). Items split rows.
     heads, width = x.shape[1], x.shape[2]
     last = indices.shape[0] - 1
     step = np.uint64(max(1, 64 // x.itemsize))
     rowlen = np.uint64(x2.shape[1])
+    wlen = np.uint64(w.shape[1])
     for k in numba.prange(items.shape[0]):
         r0, r1 = items[k, 0], items[k, 1]
         acc = np.empty((heads, width), x.dtype)
@@ -403,9 +405,12 @@ def _spmm_heads(indptr, indices, w, x, x2, out, items, dist):
                     acc[h, f] = 0.0
             for e in range(indptr[i], indptr[i + 1]):
                 _prefetch_row(x2, indices, e + dist, last, np.uint64(0), rowlen, step)
+                if has_pos:  # weights read out of order: their rows miss the cache as x's do
+                    _prefetch_row(w, wpos, e + dist, last, np.uint64(0), wlen, step)
                 j = indices[e]
+                we = wpos[e] if has_pos else e
                 for h in range(heads):
-                    c = w[e, h]
+                    c = w[we, h]
                     for f in range(width):
                         acc[h, f] += c * x[j, h, f]
             for h in range(heads):
@@ -432,6 +437,9 @@ def _sddmm_dot(indptr, indices, g, x, x2, out, items, dist):
                     for f in range(width):
                         s += g[i, h, f] * x[j, h, f]
                     out[e, h] = s
+
+
+_NO_POS = np.zeros(1, np.int64)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -555,7 +563,7 @@ class CSRBackend(Backend):
             return t.indptr.numpy(), t.indices.numpy()
         return graph.indptr.numpy(), graph.indices.numpy()
 
-    def _run(self, graph: CSRStructure, transposed: bool, x: torch.Tensor, w: torch.Tensor | None, out=None):
+    def _run(self, graph: CSRStructure, transposed: bool, x: torch.Tensor, w: torch.Tensor | None, out=None, wpos=None):
         sync_numba_threads()
         given = x  # sparse_rows remembers its last answer by the caller's tensor object
         x = x.detach().contiguous()
@@ -584,7 +592,11 @@ class CSRBackend(Backend):
             return out
         items = self._items(graph, transposed, 1)
         xn = x.numpy()
-        _spmm_heads(indptr, indices, _np(w.to(x.dtype)), xn, xn.reshape(xn.shape[0], -1), out.numpy(), items, dist)
+        pos = _NO_POS if wpos is None else wpos.numpy()
+        wn = _np(w.to(x.dtype))
+        _spmm_heads(
+            indptr, indices, wn, pos, wpos is not None, xn, xn.reshape(xn.shape[0], -1), out.numpy(), items, dist
+        )
         return out
 
     def spmm(self, graph: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor | None = None):
@@ -595,6 +607,10 @@ class CSRBackend(Backend):
         self, graph: CSRStructure, g: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor | None = None
     ):
         """``out[j] = sum_{e=(j->i)} w_e * g[i]`` over the cached transposed CSR."""
+        if weight is not None and weight.dim() == 2 and g.dim() == 3 and changes_every_step(weight):
+            # per-head weights of one step (attention) are read through the transpose's
+            # permutation: no permuted E x heads copy each backward
+            return self._run(graph, True, g, weight, out, graph.transpose().perm)
         w = None if weight is None else self.transposed_weight(graph, weight)
         return self._run(graph, True, g, w, out)
 

@@ -171,20 +171,21 @@ def measure(
     """Median seconds of one SpMM (or transposed SpMM) per backend on this input. The backends'
     runs alternate (after one warm-up call each), so a slow spell of a shared machine falls on
     all of them rather than on one."""
-    x = x.detach()
-    w = None if weight is None else weight.detach()
+    # The inputs themselves, not detached copies: a backend treats a weight that requires grad
+    # as changing every step, as it will in training, and keeps nothing derived from it.
     calls = {}
-    for name in names:
-        b = get_backend(name)
-        fn = b.spmm_t if transposed else b.spmm
-        calls[name] = lambda fn=fn: fn(matrix, x, w)
-        calls[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(reps):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    with torch.no_grad():
+        for name in names:
+            b = get_backend(name)
+            fn = b.spmm_t if transposed else b.spmm
+            calls[name] = lambda fn=fn: fn(matrix, x, weight)
+            calls[name]()
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(reps):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

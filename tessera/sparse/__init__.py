@@ -1,9 +1,10 @@
 """The primitives layers are written in: aggregate (and its masked S-SpMM forms), edge scores,
-edge softmax and fused GAT attention, LSTM neighbourhood aggregation, dropout (alone or fused
-with an activation) and linear (alone or fused with the activation and dropout that follow it),
-all over an :class:`Operand`."""
+edge softmax, fused GAT attention and GAT's whole message passing (attend), LSTM neighbourhood
+aggregation, dropout (alone or fused with an activation) and linear (alone or fused with the
+activation and dropout that follow it), all over an :class:`Operand`."""
 
 from tessera.sparse.aggregate import aggregate, inv_in_degree
+from tessera.sparse.attend import attend
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import act_dropout, dropout
@@ -23,6 +24,7 @@ __all__ = [
     "act_dropout",
     "aggregate",
     "as_operand",
+    "attend",
     "dropout",
     "dropout_aggregate",
     "edge_keys",

@@ -340,8 +340,12 @@ def gat_attention_backward(
     grad_alpha: torch.Tensor,
     negative_slope: float = 0.2,
     need_src: bool = True,
+    overwrite_grad: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Fused softmax, leaky-relu and edge-score backward: ``(grad_a_src, grad_a_dst)`` from ``grad_alpha``."""
+    """Fused softmax, leaky-relu and edge-score backward: ``(grad_a_src, grad_a_dst)`` from
+    ``grad_alpha``. ``overwrite_grad``: the caller owns ``grad_alpha`` (contiguous, ``alpha``'s
+    dtype) and lets the per-edge score gradient be written over it instead of a new E x H block
+    (each edge's is computed from its own entry, after its row's sum has read them all)."""
     sync_numba_threads()
     dtype = alpha.dtype
     a_src, a_dst, alpha, grad_alpha = (t.to(dtype).contiguous() for t in (a_src, a_dst, alpha, grad_alpha))
@@ -349,7 +353,7 @@ def gat_attention_backward(
     gsrc = torch.empty(a_src.shape, dtype=dtype) if need_src else None
     if not graph.num_edges:
         return (gsrc.zero_() if need_src else None), gdst.zero_()
-    dpre = workspace.empty_like(alpha)
+    dpre = grad_alpha if overwrite_grad and grad_alpha.is_contiguous() else workspace.empty_like(alpha)
     _backward_dst_kernel(
         graph.indptr.numpy(),
         graph.indices.numpy(),
@@ -389,16 +393,21 @@ class _GATAttention(torch.autograd.Function):
         return gsrc, (gdst if need_dst else None), None, None
 
 
-def gat_attention(
-    graph: CSRStructure, a_src: torch.Tensor, a_dst: torch.Tensor, negative_slope: float = 0.2
-) -> torch.Tensor:
-    """``alpha[e, h]``: softmax over row ``i``'s in-edges of ``leaky_relu(a_src[j, h] + a_dst[i, h])``, ``(E, H)``."""
+def check_terms(graph: CSRStructure, a_src: torch.Tensor, a_dst: torch.Tensor) -> None:
+    """Raise ValueError unless ``a_src`` and ``a_dst`` are ``(num_cols, H)`` and ``(num_rows, H)`` (or 1-D)."""
     n_dst, n_src = graph.num_rows, graph.num_cols
     if a_src.dim() not in (1, 2) or a_src.shape[1:] != a_dst.shape[1:] or (len(a_src), len(a_dst)) != (n_src, n_dst):
         raise ValueError(
             f"a_src and a_dst must have shapes ({n_src}, H) and ({n_dst}, H) (or 1-D), "
             f"got {tuple(a_src.shape)} and {tuple(a_dst.shape)}"
         )
+
+
+def gat_attention(
+    graph: CSRStructure, a_src: torch.Tensor, a_dst: torch.Tensor, negative_slope: float = 0.2
+) -> torch.Tensor:
+    """``alpha[e, h]``: softmax over row ``i``'s in-edges of ``leaky_relu(a_src[j, h] + a_dst[i, h])``, ``(E, H)``."""
+    check_terms(graph, a_src, a_dst)
     dtype = torch.promote_types(a_src.dtype, a_dst.dtype)
     if a_src.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return edge_softmax(graph, F.leaky_relu(edge_score(graph, a_src, a_dst), negative_slope))

@@ -36,12 +36,13 @@ def block_key(seed_lo, seed_hi, start):
 
 # What the kernel writes per element, given its input a, the saved forward output y (backward
 # only) and whether its hash keeps it.
-_DROP = 0  # a * scale if kept else 0
+DROP = 0  # a * scale if kept else 0
 _MASK = 1  # the keep flag itself
 _RELU_DROP = 2  # relu(a) * scale if kept else 0
 _ELU_DROP = 3  # elu(a) * scale if kept else 0
 _RELU_DROP_GRAD = 4  # a * scale where y > 0, else 0: y is zero where dropped, so no hash needed
 _ELU_DROP_GRAD = 5  # kept: a * scale where y > 0, else a * (y + scale), as elu'(x) = elu(x) + 1 there
+DROP_IN_PLACE = 6  # out itself * scale if kept else 0 (DROP with src = out, which would not vectorise)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -65,10 +66,13 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
             if mode == _MASK:
                 for i in range(stop - c):
                     o[i] = _element_hash(g + i, key) >= threshold
-            elif mode == _DROP:
+            elif mode == DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
                     o[i] = a[i] * scale if _element_hash(g + i, key) >= threshold else 0.0
+            elif mode == DROP_IN_PLACE:
+                for i in range(stop - c):
+                    o[i] = o[i] * scale if _element_hash(g + i, key) >= threshold else 0.0
             elif mode == _RELU_DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
@@ -114,7 +118,7 @@ def run_hashed(
     flat = out.view(torch.uint8) if masking else out
     scale = 1.0 / (1.0 - p)
     flat_out = flat.reshape(-1).numpy()
-    flat_src = flat_out if masking else src.reshape(-1).numpy()
+    flat_src = flat_out if masking or mode == DROP_IN_PLACE else src.reshape(-1).numpy()
     _hashed(
         flat_src,
         flat_src if aux is None else aux.reshape(-1).numpy(),
@@ -135,7 +139,7 @@ def _apply(x: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None) -> t
     if keep_threshold(p) is None:
         return torch.zeros_like(x)
     out = workspace.empty_like(x)
-    run_hashed(x, out, seed, p, rows, _DROP)
+    run_hashed(x, out, seed, p, rows, DROP)
     return out
 
 

@@ -6,10 +6,15 @@ import torch
 from torch import nn
 
 from tessera import sparse
+from tessera.memo import PlanCache
 from tessera.nn.conv._util import add_bias_, glorot_
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
+
+# per edge structure: the row ids and edge keys of its last training call, shared by every
+# layer over those edges (E int64 each: 196 MB on a products-sized graph)
+_keys = PlanCache()
 
 
 class GATConv(GraphConv):
@@ -40,7 +45,6 @@ class GATConv(GraphConv):
         self.att_src = nn.Parameter(torch.empty(1, heads, out_channels))
         self.att_dst = nn.Parameter(torch.empty(1, heads, out_channels))
         self.bias = nn.Parameter(torch.empty(heads * out_channels if concat else out_channels)) if bias else None
-        self._keys_cache: tuple | None = None  # (edge structure, rows, keys) of the last training call
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -73,26 +77,16 @@ class GATConv(GraphConv):
         h_src, a_src = a.gather_sources(h, a_src)
         a_src, a_dst = a.gather_edge_terms(a_src, a_dst)
         edges = a.edge_structure()
-        # Fused score, LeakyReLU and per-destination softmax: O(E x heads) memory, no E x F tensor.
-        alpha = sparse.gat_attention(edges, a_src, a_dst, self.negative_slope)
-        if self.training and self.dropout > 0.0:
-            alpha = sparse.dropout(alpha, self.dropout, True, self._edge_keys(a, edges, hints, n))
-        out = sparse.aggregate(a, h_src, "sum", alpha)
+        # Attention, its dropout and the weighted sum as one node (sparse.attend): O(E x heads)
+        # memory, no E x F tensor, at most two E x heads tensors alive.
+        p = self.dropout if self.training else 0.0
+        keys = _edge_keys(a, edges, hints, n) if p > 0.0 else None
+        out = sparse.attend(a, edges, a_src, a_dst, h_src, self.negative_slope, p, keys)
         if not self.concat:
             return add_bias_(out.mean(1), self.bias)
         # the bias in place on the fresh aggregate, before the reshape: in place on the reshaped
         # view would make autograd copy the whole gradient in backward
         return add_bias_(out, None if self.bias is None else self.bias.view(heads, width)).reshape(-1, heads * width)
-
-    def _edge_keys(self, a, edges, hints: LayerHints | None, n: int) -> torch.Tensor:
-        """Global edge keys for attention dropout, made once per (edges, rows) pair."""
-        rows = hints.rows if hints is not None else None
-        cached = self._keys_cache
-        if cached is not None and cached[0] is edges and cached[1] is rows:
-            return cached[2]
-        keys = sparse.edge_keys(edges, *a.edge_ids(torch.arange(n) if rows is None else rows))
-        self._keys_cache = (edges, rows, keys)
-        return keys
 
     def describe(self) -> LayerSpec:
         width = self.heads * self.out_channels
@@ -101,3 +95,15 @@ class GATConv(GraphConv):
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, heads={self.heads}"
+
+
+def _edge_keys(a, edges, hints: LayerHints | None, n: int) -> torch.Tensor:
+    """Global edge keys for attention dropout, made once per (edges, rows) pair."""
+    rows = hints.rows if hints is not None else None
+    entries = _keys.entries(edges)
+    hit = entries.get("keys")
+    if hit is not None and hit[0] is rows:
+        return hit[1]
+    keys = sparse.edge_keys(edges, *a.edge_ids(torch.arange(n) if rows is None else rows))
+    entries["keys"] = (rows, keys)
+    return keys
