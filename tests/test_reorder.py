@@ -194,6 +194,19 @@ def test_time_orders_reports_every_width_and_their_sum():
         assert res[m]["agg_s"] == pytest.approx(by[8] + 2 * by[16])
 
 
+@pytest.mark.parametrize(("budget", "rounds"), [(1e9, 5), (0.0, 2)])
+def test_time_orders_stops_after_a_pair_of_rounds_past_its_budget(monkeypatch, budget, rounds):
+    """Every order gets the same number of timed rounds: all of them within the budget, else the
+    first forward-and-reverse pair past it."""
+    g = load("synthetic:small")
+    timed = []
+    real = ordering._time_aggregate
+    monkeypatch.setattr(ordering, "_time_aggregate", lambda graph, *a: timed.append(graph) or real(graph, *a))
+    monkeypatch.setattr(ordering, "ORDER_TRIAL_BUDGET_S", budget)
+    ordering.time_orders(g, 8, ("none", "degree"), backend="csr", reps=5)
+    assert len(timed) == 2 * (1 + rounds)  # a warm-up call and the rounds, for each of two orders
+
+
 def test_trainer_measures_orders_at_the_models_aggregation_widths(tmp_path, monkeypatch):
     g = load("synthetic:tiny")
     monkeypatch.setattr(ordering, "AUTO_MIN_NODES", 1)

@@ -172,3 +172,33 @@ def test_auto_sends_row_sparse_backward_gradients_to_the_live_row_csr_path(cache
         sparse.aggregate(g, x2, "sum", None, "reference").backward(grad)
         assert calls == expect
         torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "timed_calls"),
+    [({"fast": 0.1, "slow": 0.5}, {"fast": 3, "slow": 1}), ({"fast": 1.5, "slow": 1.6}, {"fast": 1, "slow": 1})],
+)
+def test_a_measured_trial_drops_clear_losers_and_stops_at_its_budget(monkeypatch, seconds, timed_calls):
+    """A backend over twice the fastest's time in a round runs no more rounds, and no round starts
+    once the timed rounds have used the budget (clock and backends faked: what is counted is calls)."""
+    clock = [0.0]
+    calls = dict.fromkeys(seconds, 0)
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def spmm(self, matrix, x, w):
+            calls[self.name] += 1
+            clock[0] += seconds[self.name]
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(select, "get_backend", Fake)
+    monkeypatch.setattr(select, "time", Clock)
+    got = select.measure(awkward_graph(), torch.ones(60, 2), None, list(seconds), False, reps=3)
+    assert {n: c - 1 for n, c in calls.items()} == timed_calls  # one warm-up call each
+    assert got == pytest.approx(seconds)

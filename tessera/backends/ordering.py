@@ -39,6 +39,7 @@ from tessera.memo import PlanCache
 from tessera.sparse import aggregate
 
 _choices = PlanCache()
+ORDER_TRIAL_BUDGET_S = 4.0
 
 
 def _structure_only(graph: Graph) -> Graph:
@@ -86,7 +87,8 @@ def time_orders(
     model aggregating twice at it would). The order is computed once, for the widest rows
     (:func:`vertex_order`). Candidates are interleaved within every rep so machine noise hits all
     alike. ``backend="auto"`` picks the backend once, for the original numbering, and times every
-    order with it."""
+    order with it. No pair of rounds starts once the timed ones have taken
+    :data:`ORDER_TRIAL_BUDGET_S` per width (on a products-sized graph a round takes 3-5 s)."""
     ws = order_widths(width)
     base = _structure_only(graph)
     graphs: dict[str, Graph] = {}
@@ -105,9 +107,13 @@ def time_orders(
         times: dict[str, list[float]] = {m: [] for m in methods}
         for m in methods:  # warm-up: compiles kernels, builds transposes and work items
             _time_aggregate(graphs[m], x, chosen, backward)
+        spent = 0.0
         for r in range(reps):
             for m in methods if r % 2 == 0 else methods[::-1]:
                 times[m].append(_time_aggregate(graphs[m], x, chosen, backward))
+                spent += times[m][-1]
+            if r % 2 == 1 and spent >= ORDER_TRIAL_BUDGET_S:  # after a forward-and-reverse pair
+                break
         for m in methods:
             res[m]["agg_by_width"][w] = statistics.median(times[m])
         del x
