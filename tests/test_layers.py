@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch_geometric.nn as pyg
 
-from helpers import awkward_edge_index
+from helpers import awkward_edge_index, awkward_graph
 from tessera import Graph
 from tessera.nn import GATConv, GCNConv, GINConv, SAGEConv, build_model
 
@@ -85,3 +85,33 @@ def test_build_model_rejects_bad_settings():
         build_model("mlp", 4, 8, 2)
     with pytest.raises(Exception, match="divisible"):
         build_model("gat", 4, 10, 2, heads=3)
+
+
+def _saved_bool_masks(out: torch.Tensor) -> int:
+    """How many bool tensors the autograd graph behind ``out`` saves (mask-only epilogues)."""
+    seen, stack, count = set(), [out.grad_fn], 0
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        count += sum(t.dtype == torch.bool for t in getattr(fn, "saved_tensors", ()) if isinstance(t, torch.Tensor))
+        stack.extend(f for f, _ in fn.next_functions)
+    return count
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "masks"),
+    [("gin", {}, 1), ("gin", {"train_eps": True}, 0), ("sage", {}, 0), ("gcn", {}, 1)],
+)
+def test_a_relu_output_only_summed_by_the_next_layer_is_kept_as_a_mask(name, options, masks):
+    """Between layers whose next one reads its input only through a sum (GIN with a fixed eps,
+    a GCN that aggregates first), the ReLU output is not kept for backward: only where it is positive."""
+    g = awkward_graph()
+    torch.manual_seed(0)
+    # widths so both GCN layers aggregate first (each input narrower than its output)
+    m = build_model(name, 8, 32, 64, num_layers=2, dropout=0.5, **options)
+    m.train()
+    out = m(torch.randn(g.num_nodes, 8), g)
+    assert m.convs[1].keeps_input() == (masks == 0)
+    assert _saved_bool_masks(out) == masks

@@ -49,3 +49,32 @@ def test_linear_act_in_eval_mode_draws_nothing():
     y = linear_act([x], [w], None, Epilogue("relu", 0.0))
     assert torch.equal(torch.randint(0, 2**31, (1,)), torch.manual_seed(3) and torch.randint(0, 2**31, (1,)))
     assert torch.equal(y, torch.relu(x @ w.T))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_mask_only_keeps_a_byte_per_output_and_the_same_gradients(p):
+    """With ``mask_only`` a ReLU epilogue's node saves where the output is positive instead of
+    the output (freed once its reader is done with it), with bit-identical values and gradients."""
+    n, f_in, f_out = 2 * CHUNK_BYTES // (4 * 64) + 5, 12, 64
+    gen = torch.Generator().manual_seed(1)
+    x0, w0 = torch.randn(n, f_in, generator=gen), torch.randn(f_out, f_in, generator=gen)
+    b0, g = torch.randn(f_out, generator=gen), torch.randn(n, f_out, generator=gen)
+    results = []
+    for mask_only in (False, True):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        torch.manual_seed(7)
+        y = linear_act([x], [w], b, Epilogue("relu", p, mask_only))
+        saved = y.grad_fn.saved_tensors
+        keeps_y = any(s.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for s in saved)
+        assert keeps_y != mask_only
+        if mask_only:
+            assert torch.equal(saved[0], y > 0)
+        results.append((y, *torch.autograd.grad(y, (x, w, b), g)))
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
+def test_mask_only_is_ignored_by_activations_whose_backward_reads_the_output():
+    x, w = torch.randn(40, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    y = linear_act([x], [w], None, Epilogue("elu", 0.0, mask_only=True))
+    assert any(s.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for s in y.grad_fn.saved_tensors)

@@ -109,7 +109,9 @@ class GNN(nn.Module):
             # between layers: the activation, and the next layer's dropout too where it is fused;
             # a layer that ends in a dense transform applies them in the same node (sparse.linear_act)
             p = self.dropout if dropped and self.training else 0.0
-            epilogue = Epilogue(self.activation, p) if i < last and conv.takes_epilogue and not fuse else None
+            epilogue = None
+            if i < last and conv.takes_epilogue and not fuse:
+                epilogue = Epilogue(self.activation, p, mask_only=not self.convs[i + 1].keeps_input())
             x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue))
             if i < last and epilogue is None:
                 x = sparse.act_dropout(x, self.activation, p, self.training, rows)

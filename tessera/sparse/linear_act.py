@@ -34,6 +34,10 @@ class Epilogue:
 
     act: str
     p: float = 0.0
+    #: the output goes only to ops that keep no reference to it (GIN's sum, a GCN that aggregates
+    #: first): a ReLU's backward then keeps where the output is non-zero, a byte per element,
+    #: instead of the output, which is then freed once the next op has read it
+    mask_only: bool = False
 
 
 def _fusable(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], ep: Epilogue) -> bool:
@@ -56,7 +60,7 @@ def _product(xs, weights, bias) -> torch.Tensor:
 
 class _LinearAct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, bias, act, p, seed, rows, n_in, *xw):
+    def forward(ctx, bias, act, p, seed, rows, mask_only, n_in, *xw):
         xs, weights = xw[:n_in], xw[n_in:]
         z = _product(xs, weights, bias).contiguous()  # autograd is off inside forward
         # Into another block, not in place: numba's kernel does not vectorise with its input and
@@ -66,23 +70,27 @@ class _LinearAct(torch.autograd.Function):
         forward_mode, ctx.grad_mode = ACT_MODES[act]
         run_hashed(z, y, seed, p, rows, forward_mode)
         ctx.p, ctx.seed, ctx.rows, ctx.n_in = p, seed, rows, n_in
-        ctx.save_for_backward(y, *xs, *weights)
+        # ReLU's backward reads only whether each output is positive (dropped ones are zero)
+        kept = torch.gt(y, 0.0, out=workspace.empty(y.shape, torch.bool)) if mask_only and act == "relu" else y
+        ctx.save_for_backward(kept, *xs, *weights)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        y, *xw = ctx.saved_tensors
+        y, *xw = ctx.saved_tensors  # the output, or where it is positive (bool)
+        if y.dtype == torch.bool:
+            y = y.view(torch.uint8)
         n_in = ctx.n_in
         xs, weights = xw[:n_in], xw[n_in:]
         need = ctx.needs_input_grad
-        need_b, need_x, need_w = need[0], need[6 : 6 + n_in], need[6 + n_in :]
+        need_b, need_x, need_w = need[0], need[7 : 7 + n_in], need[7 + n_in :]
         g = g.contiguous()
         n, width = y.shape
         gxs = [workspace.empty((n, x.shape[1]), x.dtype) if nx else None for x, nx in zip(xs, need_x)]
         gws = [torch.zeros_like(w) if nw else None for w, nw in zip(weights, need_w)]
-        gb = torch.zeros(width, dtype=y.dtype) if need_b else None
+        gb = torch.zeros(width, dtype=g.dtype) if need_b else None
         step = max(64, CHUNK_BYTES // (4 * max(width, 1)))
-        d_buf = torch.empty((min(step, n), width), dtype=y.dtype)
+        d_buf = torch.empty((min(step, n), width), dtype=g.dtype)
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
         wts = [w.t().contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
         for r0 in range(0, n, step):
@@ -96,7 +104,7 @@ class _LinearAct(torch.autograd.Function):
                     gw.addmm_(d.t(), x[r0:r1])
                 if gx is not None:
                     mm_into_(gx[r0:r1], d, wt)
-        return (gb, None, None, None, None, None, *gxs, *gws)
+        return (gb, None, None, None, None, None, None, *gxs, *gws)
 
 
 def linear_act(
@@ -122,4 +130,4 @@ def linear_act(
     # p == 0 keeps every element and draws no seed, as act_dropout draws none then
     seed = draw_seed() if epilogue.p > 0.0 else 0
     rows = None if rows is None else rows.to(torch.int64)
-    return _LinearAct.apply(bias, epilogue.act, epilogue.p, seed, rows, len(xs), *xs, *weights)
+    return _LinearAct.apply(bias, epilogue.act, epilogue.p, seed, rows, epilogue.mask_only, len(xs), *xs, *weights)

@@ -67,6 +67,12 @@ class GraphConv(nn.Module):
             )
         self.aggregate_first = aggregate_first
 
+    def keeps_input(self) -> bool:
+        """Whether this layer's backward reads its input itself (a product by a weight saves it).
+        When it does not, the layer before keeps only where its ReLU output is non-zero, one byte
+        per element, instead of the whole output (:class:`~tessera.sparse.Epilogue` ``mask_only``)."""
+        return True
+
     def s_spmm_sides(self) -> tuple[bool, bool]:
         """Which S-SpMM field of :class:`LayerHints` ``forward`` uses: (``input_grad_mask``, ``output_mask``)."""
         return False, False

@@ -77,6 +77,10 @@ class GCNConv(GraphConv):
     def placements(self) -> tuple[bool, ...]:
         return (True, False)
 
+    def keeps_input(self) -> bool:
+        # aggregating first, the input goes only into the sum, whose fixed weights need nothing of it
+        return aggregates_output(self.lin, self.aggregate_first)
+
     def s_spmm_sides(self) -> tuple[bool, bool]:
         last = aggregates_output(self.lin, self.aggregate_first)
         return not last, last

@@ -51,6 +51,10 @@ class GINConv(GraphConv):
         linears = [m for m in self.nn.modules() if isinstance(m, torch.nn.Linear)]
         return LayerSpec(linears[0].in_features, linears[-1].out_features, linears[0].in_features, True)
 
+    def keeps_input(self) -> bool:
+        # the input goes into the sum and its root term; only a trainable eps's product keeps it
+        return isinstance(self.eps, torch.nn.Parameter)
+
     def s_spmm_sides(self) -> tuple[bool, bool]:
         return True, False
 
