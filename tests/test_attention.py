@@ -164,3 +164,26 @@ def test_attend_keeps_at_most_two_edge_by_head_tensors(monkeypatch):
     _attend_both_ways(g, heads, torch.float32, 0.5, "csr", True)
     blocks = ws._blocks.get((g.num_edges * heads * 4, torch.float32), [])
     assert len(blocks) == 2
+
+
+def test_attend_backward_twice_through_a_retained_graph():
+    """A second backward (``retain_graph``) makes the dropped weights it freed again: the same
+    gradients both times."""
+    g = awkward_graph()
+    gen = torch.Generator().manual_seed(5)
+    a_src, a_dst = (torch.randn(g.num_nodes, 2, generator=gen).requires_grad_() for _ in range(2))
+    h = torch.randn(g.num_nodes, 2, 3, generator=gen).requires_grad_()
+    keys = sparse.edge_keys(g, torch.arange(g.num_nodes), torch.arange(g.num_nodes))
+    out = sparse.attend(sparse.as_operand(g, "csr"), g, a_src, a_dst, h, 0.2, 0.5, keys)
+    go = torch.randn(out.shape, generator=gen)
+    first = torch.autograd.grad(out, (a_src, a_dst, h), go, retain_graph=True)
+    second = torch.autograd.grad(out, (a_src, a_dst, h), go)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_attend_refuses_features_of_another_graph():
+    g = awkward_graph()
+    terms = torch.zeros(g.num_nodes, 2)
+    with pytest.raises(ValueError, match="h has 5 rows"):
+        sparse.attend(sparse.as_operand(g, "csr"), g, terms, terms, torch.zeros(5, 2, 3))

@@ -176,11 +176,16 @@ def test_auto_sends_row_sparse_backward_gradients_to_the_live_row_csr_path(cache
 
 @pytest.mark.parametrize(
     ("seconds", "timed_calls"),
-    [({"fast": 0.1, "slow": 0.5}, {"fast": 3, "slow": 1}), ({"fast": 1.5, "slow": 1.6}, {"fast": 1, "slow": 1})],
+    [
+        ({"fast": 0.1, "close": 0.12, "slow": 0.5}, {"fast": 3, "close": 3, "slow": 1}),
+        ({"fast": 0.1, "slow": 0.5}, {"fast": 1, "slow": 1}),  # one left: settled
+        ({"fast": 1.5, "slow": 1.6}, {"fast": 1, "slow": 1}),  # over the budget
+    ],
 )
 def test_a_measured_trial_drops_clear_losers_and_stops_at_its_budget(monkeypatch, seconds, timed_calls):
     """A backend over twice the fastest's time in a round runs no more rounds, and no round starts
-    once the timed rounds have used the budget (clock and backends faked: what is counted is calls)."""
+    once one backend is left or the timed rounds have used the budget (clock and backends faked:
+    what is counted is calls)."""
     clock = [0.0]
     calls = dict.fromkeys(seconds, 0)
 

@@ -203,14 +203,22 @@ def test_a_kept_transposed_weight_goes_when_its_weight_dies():
     assert torch.float32 not in memo
 
 
-def test_a_measured_backend_trial_keeps_nothing_derived_from_its_weight(tmp_path, monkeypatch):
-    """The trial multiplies by the weight itself: a weight that requires grad changes every step,
-    so no backend keeps a permuted copy of it (a copy kept from a detached alias outlived it)."""
+def test_a_measured_backend_trial_multiplies_by_the_weight_itself(tmp_path, monkeypatch):
+    """The trial passes the weight itself, which requires grad, so the backends treat it as they
+    will in training (a detached alias looked fixed, and each backend kept a permuted copy of it)."""
     from tessera.backends import get_backend, select
 
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
     g = Graph.from_csr(*_symmetric_csr(np.random.default_rng(3), 30, 200), 30)
     w = torch.rand(g.num_edges, 2, requires_grad=True)
+    seen = []
+    for name in ("csr", "reference"):
+        backend = get_backend(name)
+        real = backend.spmm_t
+        monkeypatch.setattr(
+            backend, "spmm_t", lambda m, x, weight, real=real: seen.append(weight) or real(m, x, weight)
+        )
     select.measure(g, torch.randn(30, 2, 4), w, ["csr", "reference"], True, reps=1)
+    assert seen and all(s is w for s in seen)
     for name in ("csr", "reference"):
         assert not get_backend(name).plans.entries(g).get("transposed_weight")

@@ -47,6 +47,8 @@ class _Attend(torch.autograd.Function):
     def backward(ctx, g):
         a_src, a_dst, h, alpha = ctx.saved_tensors
         w = alpha if ctx.drop is None else ctx.dropped
+        if w is None:  # a second backward through the graph (retain_graph): made again
+            w = _dropped(alpha, ctx.drop)
         ctx.dropped = None
         need_src, need_dst, need_h = ctx.needs_input_grad[:3]
         gh = ctx.a.spmm_t(g, w) if need_h else None
@@ -80,6 +82,8 @@ def attend(
     terms over its columns and rows, ``h`` ``(N, H, F)`` the sources' features, ``ids`` the
     per-edge dropout keys (:func:`~tessera.sparse.edge_keys`); ``p`` 0 for no dropout."""
     check_terms(edges, a_src, a_dst)
+    if h.shape[0] != operand.num_cols:
+        raise ValueError(f"h has {h.shape[0]} rows but the operand has {operand.num_cols} source vertices")
     fused = (
         a_src.dim() == 2
         and a_src.device.type == "cpu"

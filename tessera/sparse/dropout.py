@@ -110,6 +110,8 @@ def run_hashed(
     """Fill ``out`` (``src``'s shape; bool for ``_MASK``) by ``mode`` for drop probability ``p`` < 1."""
     sync_numba_threads()
     masking = mode == _MASK
+    if mode == DROP_IN_PLACE and not out.is_contiguous():
+        raise ValueError("dropout in place needs a contiguous tensor")
     width = _BLOCK
     if rows is not None:
         if rows.numel() != out.shape[0]:
