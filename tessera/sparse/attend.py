@@ -15,26 +15,18 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from tessera import workspace
 from tessera.graph.csr import CSRStructure
 from tessera.sparse.aggregate import aggregate
 from tessera.sparse.attention_kernels import check_terms, gat_attention, gat_attention_backward, gat_attention_forward
-from tessera.sparse.dropout import DROP, DROP_IN_PLACE, draw_seed, dropout, keep_threshold, run_hashed
+from tessera.sparse.dropout import DROP_IN_PLACE, draw_seed, dropout, keep_threshold, run_hashed, seeded_dropout
 from tessera.sparse.operand import Operand
-
-
-def _dropped(alpha: torch.Tensor, drop: tuple[float, int, torch.Tensor | None]) -> torch.Tensor:
-    p, seed, ids = drop
-    out = workspace.empty_like(alpha)
-    run_hashed(alpha, out, seed, p, ids, DROP)
-    return out
 
 
 class _Attend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a_src, a_dst, h, a: Operand, edges: CSRStructure, slope: float, drop):
         alpha = gat_attention_forward(edges, a_src, a_dst, slope)
-        w = alpha if drop is None else _dropped(alpha, drop)
+        w = alpha if drop is None else seeded_dropout(alpha, *drop)
         out = a.spmm(h, w)
         ctx.a, ctx.edges, ctx.slope, ctx.drop = a, edges, slope, drop
         # the dropped weights as an attribute, not a saved tensor, so backward can free them early
@@ -48,7 +40,7 @@ class _Attend(torch.autograd.Function):
         a_src, a_dst, h, alpha = ctx.saved_tensors
         w = alpha if ctx.drop is None else ctx.dropped
         if w is None:  # a second backward through the graph (retain_graph): made again
-            w = _dropped(alpha, ctx.drop)
+            w = seeded_dropout(alpha, *ctx.drop)
         ctx.dropped = None
         need_src, need_dst, need_h = ctx.needs_input_grad[:3]
         gh = ctx.a.spmm_t(g, w) if need_h else None
@@ -57,10 +49,10 @@ class _Attend(torch.autograd.Function):
             return None, None, gh, None, None, None, None
         grad = ctx.a.sddmm_dot(g, h)  # a new tensor that only this node sees: updated in place
         if ctx.drop is not None:
-            p, seed, ids = ctx.drop
+            seed, p, ids = ctx.drop
             run_hashed(grad, grad, seed, p, ids, DROP_IN_PLACE)
         gsrc, gdst = gat_attention_backward(
-            ctx.edges, a_src, a_dst, alpha, grad, ctx.slope, need_src, overwrite_grad=grad.dtype == alpha.dtype
+            ctx.edges, a_src, a_dst, alpha, grad, ctx.slope, need_src, overwrite_grad=True
         )
         return gsrc, (gdst if need_dst else None), gh, None, None, None, None
 
@@ -95,5 +87,5 @@ def attend(
         alpha = gat_attention(edges, a_src, a_dst, negative_slope)
         return aggregate(operand, h, "sum", dropout(alpha, p, True, ids) if p else alpha)
     # the seed drawn where dropout() would draw it, so the masks are the composition's
-    drop = (float(p), draw_seed(), ids) if p else None
+    drop = (draw_seed(), float(p), ids) if p else None  # seeded_dropout's arguments
     return _Attend.apply(a_src.contiguous(), a_dst.contiguous(), h, operand, edges, float(negative_slope), drop)

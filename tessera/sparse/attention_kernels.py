@@ -343,9 +343,9 @@ def gat_attention_backward(
     overwrite_grad: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Fused softmax, leaky-relu and edge-score backward: ``(grad_a_src, grad_a_dst)`` from
-    ``grad_alpha``. ``overwrite_grad``: the caller owns ``grad_alpha`` (contiguous, ``alpha``'s
-    dtype) and lets the per-edge score gradient be written over it instead of a new E x H block
-    (each edge's is computed from its own entry, after its row's sum has read them all)."""
+    ``grad_alpha``. ``overwrite_grad``: the caller owns ``grad_alpha`` and lets the per-edge score
+    gradient be written over it (or over its contiguous copy in ``alpha``'s dtype) instead of a new
+    E x H block (each edge's is computed from its own entry, after its row's sum has read them all)."""
     sync_numba_threads()
     dtype = alpha.dtype
     a_src, a_dst, alpha, grad_alpha = (t.to(dtype).contiguous() for t in (a_src, a_dst, alpha, grad_alpha))
@@ -353,7 +353,7 @@ def gat_attention_backward(
     gsrc = torch.empty(a_src.shape, dtype=dtype) if need_src else None
     if not graph.num_edges:
         return (gsrc.zero_() if need_src else None), gdst.zero_()
-    dpre = grad_alpha if overwrite_grad and grad_alpha.is_contiguous() else workspace.empty_like(alpha)
+    dpre = grad_alpha if overwrite_grad else workspace.empty_like(alpha)
     _backward_dst_kernel(
         graph.indptr.numpy(),
         graph.indices.numpy(),

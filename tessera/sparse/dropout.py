@@ -136,7 +136,8 @@ def run_hashed(
     )
 
 
-def _apply(x: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None) -> torch.Tensor:
+def seeded_dropout(x: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None) -> torch.Tensor:
+    """``x`` with the mask drawn from ``seed`` (keyed by ``rows``) applied and scaled, into a workspace block."""
     x = x.contiguous()
     if keep_threshold(p) is None:
         return torch.zeros_like(x)
@@ -154,11 +155,11 @@ class _Dropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, seed, rows):
         ctx.p, ctx.seed, ctx.rows = p, seed, rows
-        return _apply(x, seed, p, rows)
+        return seeded_dropout(x, seed, p, rows)
 
     @staticmethod
     def backward(ctx, g):
-        return _apply(g, ctx.seed, ctx.p, ctx.rows), None, None, None
+        return seeded_dropout(g, ctx.seed, ctx.p, ctx.rows), None, None, None
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, rows: torch.Tensor | None = None) -> torch.Tensor:
