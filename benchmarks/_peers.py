@@ -123,7 +123,19 @@ def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any
                 if key in arrays:
                     arrays[key] = arrays[key][perm]
             info["vertex_order"] = method
-    return m, lambda mod, x: mod(x, g), info
+    if cfg.get("precision", "fp32") == "fp32":
+        return m, lambda mod, x: mod(x, g), info
+    # ``tessera train --precision bf16``: the features stored in bfloat16 once (the float32
+    # array the child loaded stays alive beside them), float32 weights
+    info["precision"] = cfg["precision"]
+    stored: list[torch.Tensor] = []
+
+    def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not stored or stored[0] is not x:
+            stored[:] = [x, x.to(torch.bfloat16)]
+        return mod(stored[1], g)
+
+    return m, forward, info
 
 
 # ---------------------------------------------------------------------------------- PyG

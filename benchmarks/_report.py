@@ -204,11 +204,13 @@ def headline_table(
     grouped: dict[tuple[str, str, str, str], dict[str, Any]],
     cap_gib: float,
     timeout_s: float,
+    ours_label: str = "tessera",
 ) -> list[str]:
     """What a user gets: tessera in the default environment (no ``LD_PRELOAD``, no ``MALLOC_CONF``)
-    against every peer's best allocator, time and peak RSS, with both ratios."""
+    against every peer's best allocator, time and peak RSS, with both ratios; ``ours_label`` names
+    tessera's column (its precision when not fp32)."""
     peers = [f for f in frameworks if f != "tessera" and not f.startswith(TREE_PREFIX)]
-    head = ["model", "tessera default ms", "RSS MiB"]
+    head = ["model", f"{ours_label} default ms", "RSS MiB"]
     for f in peers:
         head += [f"{label(f)} best ms (allocator)", "RSS MiB", "time ratio", "RSS ratio"]
     lines = [

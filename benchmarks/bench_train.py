@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tessera-backend", default="auto")
     p.add_argument(
+        "--tessera-precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="storage precision of this tree's tessera runs (tessera train --precision); tessera@LABEL trees run fp32",
+    )
+    p.add_argument(
         "--tessera-reorder",
         default="auto",
         choices=("auto", "none", "rcm", "metis", "degree"),
@@ -412,6 +418,8 @@ def _one(
         "backend": a.tessera_backend,
         "reorder": a.tessera_reorder,
     }
+    if fw == "tessera" and tree is None and a.tessera_precision != "fp32":
+        child_spec["precision"] = a.tessera_precision
     child_env = {**thread_env(a.threads), **env}
     if tree is not None:
         child_env["PYTHONPATH"] = tree_pythonpath(tree)
@@ -539,7 +547,8 @@ def render(
         f"- tessera/PyG env: torch {vm.get('torch')}, torch_geometric {vm.get('torch_geometric')}, "
         f"numba {vm.get('numba')}, numpy {vm.get('numpy')}, torch_sparse {vm.get('torch_sparse') or 'absent'}, "
         f"pyg_lib {vm.get('pyg_lib') or 'absent'}; tessera backends {vm.get('tessera_backends')}, "
-        f"requested `{a.tessera_backend}`, vertex order `{a.tessera_reorder}`; git {facts['git'].get('commit')}"
+        f"requested `{a.tessera_backend}`, vertex order `{a.tessera_reorder}`, "
+        f"precision `{a.tessera_precision}`; git {facts['git'].get('commit')}"
         + (" (tessera/ has uncommitted changes)" if facts["git"].get("tessera_dirty") else ""),
     ]
     if "dgl" in frameworks:
@@ -591,7 +600,8 @@ def render(
             "",
         ]
         if "tessera" in frameworks and "default" in a.allocators and any(f in frameworks for f in FRAMEWORKS[1:]):
-            lines += headline_table(gname, a.models, frameworks, grouped, a.mem_cap_gb, a.timeout) + [""]
+            ours = "tessera" + ("" if a.tessera_precision == "fp32" else f" {a.tessera_precision}")
+            lines += headline_table(gname, a.models, frameworks, grouped, a.mem_cap_gb, a.timeout, ours) + [""]
         lines += graph_table(gname, a.models, frameworks, a.allocators, grouped, a.mem_cap_gb, a.timeout)
     if any(f.startswith(TREE_PREFIX) for f in frameworks):
         lines += ["", "## tessera trees: every repeat", ""]

@@ -35,6 +35,7 @@ _NUMPY = {
     torch.float32: np.float32,
     torch.float64: np.float64,
     torch.float16: np.float16,
+    torch.bfloat16: np.uint16,  # NumPy has no bfloat16: its bits, viewed as bfloat16 (_tensor)
     torch.int64: np.int64,
     torch.int32: np.int32,
     torch.int16: np.int16,
@@ -83,11 +84,11 @@ class Workspace:
         blocks = self._blocks.setdefault((nbytes, dtype), [])
         for block in blocks:
             if _free(block):
-                return torch.from_numpy(block.reshape(tuple(shape)))
+                return _tensor(block, shape, dtype)
         block = _new_block(numel, _NUMPY[dtype])
         blocks.append(block)
         self._starts.add(block.ctypes.data)
-        return torch.from_numpy(block.reshape(tuple(shape)))
+        return _tensor(block, shape, dtype)
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """:meth:`empty` with ``t``'s shape and dtype on CPU; ``torch.empty_like`` elsewhere."""
@@ -120,6 +121,15 @@ class Workspace:
 
 
 _ITEMSIZE = {dt: np.dtype(npd).itemsize for dt, npd in _NUMPY.items()}
+
+
+def _tensor(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``shape`` and ``dtype`` over ``block``: not a view (autograd refuses to
+    modify in place a view a custom function returned), its storage referring to ``block``."""
+    t = torch.from_numpy(block.reshape(tuple(shape)))
+    if t.dtype == dtype:
+        return t
+    return torch.empty(0, dtype=dtype).set_(t.untyped_storage(), 0, tuple(shape))
 
 
 def _free(block: np.ndarray) -> bool:

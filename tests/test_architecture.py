@@ -20,6 +20,7 @@ LAYER_OF_TOP = {
     "memo": "base",
     "threads": "base",
     "workspace": "base",
+    "bfloat16": "base",
     "datasets": "graph",  # loaders by name: a graph-layer module kept at the top for `tessera.datasets.load`
 }
 # Graph layers receive their operand and speak only in primitives.

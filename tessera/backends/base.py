@@ -55,6 +55,8 @@ class Backend(ABC):
     efficiency: ClassVar[float] = 0.5
     #: fixed seconds per call (launch, thread-pool hand-off, planning lookups), for :meth:`cost`
     call_overhead_s: ClassVar[float] = 0.0
+    #: the dtypes of ``x`` this backend multiplies
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float64)
 
     def __init__(self) -> None:
         self.plans = PlanCache()
@@ -134,7 +136,7 @@ class Backend(ABC):
 
     def supports(self, x: torch.Tensor) -> bool:
         """Whether this backend runs on ``x`` (its device and dtype)."""
-        return x.device.type == "cpu"
+        return x.device.type == "cpu" and x.dtype in self.dtypes
 
     def cost(self, matrix: CSRStructure, width: int, transposed: bool, weighted: bool = False) -> float:
         """Modelled seconds of one product: the bytes moved at :attr:`efficiency` times

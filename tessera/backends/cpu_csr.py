@@ -50,6 +50,7 @@ from numba.extending import intrinsic
 
 from tessera import workspace
 from tessera.backends.base import Backend, changes_every_step
+from tessera.bfloat16 import as_numpy, compute_dtype, narrow, widen
 from tessera.graph.csr import CSRStructure
 from tessera.sparse.sparsity import sparse_rows
 from tessera.threads import sync_numba_threads
@@ -164,14 +165,16 @@ def _make_rows(width: int):
                     c0, c1, c2, c3 = w[e], w[e + 1], w[e + 2], w[e + 3]
                     for f in range(n):
                         g = f0 + f
-                        acc[f] += (c0 * x[j0, g] + c1 * x[j1, g]) + (c2 * x[j2, g] + c3 * x[j3, g])
+                        acc[f] += (c0 * widen(x[j0, g]) + c1 * widen(x[j1, g])) + (
+                            c2 * widen(x[j2, g]) + c3 * widen(x[j3, g])
+                        )
                     e += 4
                 while e < end:
                     _prefetch_row(x, indices, e + dist, last, f0, n, step)
                     j0 = indices[e]
                     c0 = w[e]
                     for f in range(n):
-                        acc[f] += c0 * x[j0, f0 + f]
+                        acc[f] += c0 * widen(x[j0, f0 + f])
                     e += 1
             else:
                 while e + 4 <= end:
@@ -180,16 +183,16 @@ def _make_rows(width: int):
                     j0, j1, j2, j3 = indices[e], indices[e + 1], indices[e + 2], indices[e + 3]
                     for f in range(n):
                         g = f0 + f
-                        acc[f] += (x[j0, g] + x[j1, g]) + (x[j2, g] + x[j3, g])
+                        acc[f] += (widen(x[j0, g]) + widen(x[j1, g])) + (widen(x[j2, g]) + widen(x[j3, g]))
                     e += 4
                 while e < end:
                     _prefetch_row(x, indices, e + dist, last, f0, n, step)
                     j0 = indices[e]
                     for f in range(n):
-                        acc[f] += x[j0, f0 + f]
+                        acc[f] += widen(x[j0, f0 + f])
                     e += 1
             for f in range(n):
-                out[i, f0 + f] = acc[f]
+                out[i, f0 + f] = narrow(out, acc[f])
 
     return rows
 
@@ -200,12 +203,13 @@ _ROWS_128 = _make_rows(128)
 
 @numba.njit(**_JIT)
 def _spmm(indptr, indices, w, has_w, x, out, items, dist):
-    # x, out: (N, F) C-contiguous; w: (E,) ignored unless has_w.
+    # x, out: (N, F) C-contiguous (float, or bfloat16 bits); w: (E,) in the arithmetic dtype,
+    # its values ignored unless has_w.
     last = indices.shape[0] - 1
     step = np.uint64(max(1, 64 // x.itemsize))
     for k in numba.prange(items.shape[0]):
         r0, r1, f0, f1 = items[k, 0], items[k, 1], items[k, 2], items[k, 3]
-        acc = np.empty(f1 - f0, x.dtype)
+        acc = np.empty(f1 - f0, w.dtype)  # w is in the arithmetic dtype, given or not
         fu, nf = np.uint64(f0), np.uint64(f1 - f0)
         if f1 - f0 == 128:  # every full block of a wide product (see CSRBackend._passes)
             _ROWS_128(indptr, indices, w, has_w, x, out, acc, r0, r1, fu, nf, dist, last, step)
@@ -225,6 +229,7 @@ def _spmm(indptr, indices, w, has_w, x, out, items, dist):
 @numba.njit(nogil=True)
 def _masked_item(indptr, indices, w, has_w, x, mask, words, scale, has_scale, out, r0, r1, f0, f1, dist, step):
     nwords = words.shape[1]
+    zero = narrow(out, np.zeros(1, scale.dtype)[0])  # typed like out: a float64 literal would widen the select
     t0 = f0 // _TILE
     ntiles = (f1 - f0 + _TILE - 1) // _TILE
     full = np.uint64(0xFFFFFFFFFFFFFFFF) if ntiles >= 64 else (np.uint64(1) << np.uint64(ntiles)) - np.uint64(1)
@@ -246,7 +251,7 @@ def _masked_item(indptr, indices, w, has_w, x, mask, words, scale, has_scale, ou
                     b |= np.uint64(1) << np.uint64(min(t, 63))
         if b == 0:
             for f in range(f0, f1):
-                out[i, f] = 0.0
+                out[i, f] = zero
             continue
         live[nlive] = i
         bits[nlive] = full if ntiles > 64 else b
@@ -255,8 +260,7 @@ def _masked_item(indptr, indices, w, has_w, x, mask, words, scale, has_scale, ou
     if nlive == 0:
         return
     # pass 2
-    acc = np.empty(f1 - f0, x.dtype)
-    zero = np.zeros(1, x.dtype)[0]  # typed like x: a float64 literal would widen the select
+    acc = np.empty(f1 - f0, scale.dtype)  # scale is in the arithmetic dtype, given or not
     last = indices.shape[0] - 1
     ustep = np.uint64(step)
     dense = live_edges * 10 >= 9 * (indptr[r1] - indptr[r0])
@@ -294,7 +298,7 @@ def _masked_item(indptr, indices, w, has_w, x, mask, words, scale, has_scale, ou
         b = bits[q]
         if b != full:
             for f in range(f0, f1):
-                out[i, f] = 0.0
+                out[i, f] = zero
         first = True
         t = 0
         while b != 0:
@@ -353,24 +357,26 @@ def _masked_item(indptr, indices, w, has_w, x, mask, words, scale, has_scale, ou
                         c0, c1, c2, c3 = w[e], w[e + 1], w[e + 2], w[e + 3]
                         for f in range(nf):
                             g = fu + f
-                            acc[f] += (c0 * x[j0, g] + c1 * x[j1, g]) + (c2 * x[j2, g] + c3 * x[j3, g])
+                            acc[f] += (c0 * widen(x[j0, g]) + c1 * widen(x[j1, g])) + (
+                                c2 * widen(x[j2, g]) + c3 * widen(x[j3, g])
+                            )
                     else:
                         for f in range(nf):
                             g = fu + f
-                            acc[f] += (x[j0, g] + x[j1, g]) + (x[j2, g] + x[j3, g])
+                            acc[f] += (widen(x[j0, g]) + widen(x[j1, g])) + (widen(x[j2, g]) + widen(x[j3, g]))
                 else:
                     j0 = indices[e]
                     if has_w:
                         c0 = w[e]
                         for f in range(nf):
-                            acc[f] += c0 * x[j0, fu + f]
+                            acc[f] += c0 * widen(x[j0, fu + f])
                     else:
                         for f in range(nf):
-                            acc[f] += x[j0, fu + f]
+                            acc[f] += widen(x[j0, fu + f])
                 e += cnt
             for f in range(nf):
                 g = fu + f
-                out[i, g] = acc[f] * s if mask[i, g] else zero
+                out[i, g] = narrow(out, acc[f] * s) if mask[i, g] else zero
             first = False
 
 
@@ -398,7 +404,7 @@ def _spmm_heads(indptr, indices, w, wpos, has_pos, x, x2, out, items, dist):
     wlen = np.uint64(w.shape[1])
     for k in numba.prange(items.shape[0]):
         r0, r1 = items[k, 0], items[k, 1]
-        acc = np.empty((heads, width), x.dtype)
+        acc = np.empty((heads, width), w.dtype)
         for i in range(r0, r1):
             for h in range(heads):
                 for f in range(width):
@@ -412,10 +418,10 @@ def _spmm_heads(indptr, indices, w, wpos, has_pos, x, x2, out, items, dist):
                 for h in range(heads):
                     c = w[we, h]
                     for f in range(width):
-                        acc[h, f] += c * x[j, h, f]
+                        acc[h, f] += c * widen(x[j, h, f])
             for h in range(heads):
                 for f in range(width):
-                    out[i, h, f] = acc[h, f]
+                    out[i, h, f] = narrow(out, acc[h, f])
 
 
 @numba.njit(fastmath=True, **_JIT)
@@ -435,15 +441,22 @@ def _sddmm_dot(indptr, indices, g, x, x2, out, items, dist):
                 for h in range(heads):
                     s = 0.0
                     for f in range(width):
-                        s += g[i, h, f] * x[j, h, f]
-                    out[e, h] = s
+                        s += widen(g[i, h, f]) * widen(x[j, h, f])
+                    out[e, h] = narrow(out, s)
 
 
 _NO_POS = np.zeros(1, np.int64)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().numpy()
+    return as_numpy(t.detach().contiguous())
+
+
+def _arith(t: torch.Tensor | None, x: torch.Tensor, fill: float = 0.0) -> np.ndarray:
+    """``t`` in the dtype ``x``'s values are summed in (float32 for bfloat16 storage); one
+    ``fill`` entry of that dtype when ``t`` is None."""
+    dt = compute_dtype(x.dtype)
+    return _np(t.to(dt)) if t is not None else np.full(1, fill, torch.empty(0, dtype=dt).numpy().dtype)
 
 
 def new_output(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -515,6 +528,8 @@ class CSRBackend(Backend):
     row_sparse_t = True
     efficiency = 1.0
     call_overhead_s = 25e-6
+    # bfloat16 rows are widened to float32 as they are gathered, and sums rounded once when stored
+    dtypes = (torch.float32, torch.float64, torch.bfloat16)
 
     def _items(self, graph: CSRStructure, transposed: bool, width: int) -> np.ndarray:
         threads = numba.get_num_threads()
@@ -581,21 +596,21 @@ class CSRBackend(Backend):
                 w = None if w is None else w[pos]
             else:
                 passes = self._passes(graph, transposed, x.shape[1])
-            wn = _np(w.to(x.dtype)) if w is not None else np.zeros(1, x.numpy().dtype)
+            wn = _arith(w, x)
             dist = prefetch_distance(x.shape[1] if len(passes) == 1 else _COLUMN_BLOCK, x.element_size())
             for items in passes:
-                _spmm(indptr, indices, wn, w is not None, x.numpy(), out.numpy(), items, dist)
+                _spmm(indptr, indices, wn, w is not None, as_numpy(x), as_numpy(out), items, dist)
             return out
         if x.dim() == 3 and (w is None or w.dim() == 1):  # same weight for every head: one wide row
             n, h, f = x.shape
             self._run(graph, transposed, x.view(n, h * f), w, out.view(rows, h * f))
             return out
         items = self._items(graph, transposed, 1)
-        xn = x.numpy()
+        xn = as_numpy(x)
         pos = _NO_POS if wpos is None else wpos.numpy()
-        wn = _np(w.to(x.dtype))
+        wn = _arith(w, x)
         _spmm_heads(
-            indptr, indices, wn, pos, wpos is not None, xn, xn.reshape(xn.shape[0], -1), out.numpy(), items, dist
+            indptr, indices, wn, pos, wpos is not None, xn, xn.reshape(xn.shape[0], -1), as_numpy(out), items, dist
         )
         return out
 
@@ -642,16 +657,14 @@ class CSRBackend(Backend):
         m = m.view(torch.uint8) if m.dtype == torch.bool else (m != 0).view(torch.uint8)
         pad = -x.shape[1] % 8
         words = (torch.nn.functional.pad(m, (0, pad)) if pad else m).view(torch.int64)
-        dt = x.numpy().dtype
-        wn = _np(weight.to(x.dtype)) if weight is not None else np.zeros(1, dt)
-        sn = _np(row_scale.to(x.dtype)) if row_scale is not None else np.ones(1, dt)
+        wn, sn = _arith(weight, x), _arith(row_scale, x, 1.0)
         # one pass over all features: 128-feature column passes, a gain for the plain product,
         # made the masked one slower (width 256: 136-175 ms against 111 ms single-threaded)
         items = self._items(graph, transposed, x.shape[1])
         dist = prefetch_distance(x.shape[1], x.element_size())
         _spmm_masked(
-            indptr, indices, wn, weight is not None, x.numpy(), m.numpy(), words.numpy(), sn, row_scale is not None,
-            out.numpy(), items, dist,
+            indptr, indices, wn, weight is not None, as_numpy(x), m.numpy(), words.numpy(), sn, row_scale is not None,
+            as_numpy(out), items, dist,
         )  # fmt: skip
         return out
 
@@ -667,5 +680,5 @@ class CSRBackend(Backend):
         xn = _np(x3.to(g.dtype))
         dist = prefetch_distance(xn.shape[1] * xn.shape[2], xn.itemsize)
         indptr, indices = self._csr(graph, False)
-        _sddmm_dot(indptr, indices, _np(g3), xn, xn.reshape(xn.shape[0], -1), out.numpy(), items, dist)
+        _sddmm_dot(indptr, indices, _np(g3), xn, xn.reshape(xn.shape[0], -1), as_numpy(out), items, dist)
         return out.squeeze(1) if squeeze else out

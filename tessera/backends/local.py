@@ -40,7 +40,13 @@ class LocalOperand(Operand):
 
     def _backend(self, x: torch.Tensor, weight: torch.Tensor | None, direction: str) -> Backend:
         if self.backend != "auto":
-            return get_backend(self.backend)
+            chosen = get_backend(self.backend)
+            if not chosen.supports(x):
+                raise ConfigError(
+                    f"backend {self.backend!r} does not multiply {x.dtype} {x.device.type} tensors: "
+                    f"use backend auto, or one of {', '.join(select.candidates(x)) or 'none'}"
+                )
+            return chosen
         # A backward gradient that is zero in most rows (loss on the training vertices only) goes
         # to a backend whose transposed product gathers only the live rows; the measured choice
         # was made on dense inputs.

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from tessera.backends.base import available_backends, get_backend
+from tessera.errors import ConfigError
 from tessera.files import atomic_write, default_cache_dir
 from tessera.graph.csr import CSRStructure
 from tessera.memo import PlanCache
@@ -69,11 +70,15 @@ def cache_file() -> Path:
     return default_cache_dir() / "kernels.json"
 
 
-def decision_key(matrix: CSRStructure, width: int, weighted: bool, heads: int, direction: str) -> str:
-    """The cache key of one decision (the thread count is part of it: the best kernel depends on it)."""
+def decision_key(
+    matrix: CSRStructure, width: int, weighted: bool, heads: int, direction: str, dtype: torch.dtype = torch.float32
+) -> str:
+    """The cache key of one decision (the thread count is part of it: the best kernel depends on it;
+    so is a storage dtype other than float32, which moves another number of bytes)."""
+    stored = "" if dtype in (torch.float32, torch.float64) else f"|{str(dtype).removeprefix('torch.')}"
     return (
         f"v{_CACHE_VERSION}|{matrix.fingerprint()}|w{width}|h{heads}|"
-        f"{'weighted' if weighted else 'plain'}|{direction}|t{torch.get_num_threads()}"
+        f"{'weighted' if weighted else 'plain'}|{direction}|t{torch.get_num_threads()}{stored}"
     )
 
 
@@ -112,8 +117,10 @@ def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, d
         raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
     width = int(torch.Size(x.shape[1:]).numel())
     heads = int(x.shape[1]) if x.dim() == 3 else 1
-    key = decision_key(matrix, width, weight is not None, heads, direction)
+    key = decision_key(matrix, width, weight is not None, heads, direction, x.dtype)
     names = candidates(x)
+    if not names:
+        raise ConfigError(f"no aggregation backend multiplies {x.dtype} {x.device.type} tensors")
     known = lookup(matrix, key, names)
     if known is not None:
         return known

@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--norm", help="none | layer: LayerNorm before each layer (default none)")
     t.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        help="storage of features, activations and gradients: bf16 halves it, with float32 weights and sums "
+        "(gcn, sage, gin on one process; default fp32)",
+    )
+    t.add_argument(
         "--label-prop", type=float, help="share of training labels fed as input features each epoch (default 0)"
     )
     t.add_argument(

@@ -17,7 +17,8 @@ class _RowsCrossEntropy(torch.autograd.Function):
         # a kept block, where ``F.cross_entropy(logits[rows], ...)`` would map a fresh zero tensor
         # of the logits' size every step. The aten ops are those cross_entropy and its backward
         # run, called directly: a nested torch.autograd.grad imports sympy (0.4 s) on first use.
-        lsm = torch.log_softmax(logits.detach()[rows], 1)
+        # in float32 when the logits are stored in bfloat16 (the gradient is stored as they are)
+        lsm = torch.log_softmax(logits.detach()[rows].to(torch.promote_types(logits.dtype, torch.float32)), 1)
         loss, total_weight = torch.ops.aten.nll_loss_forward(lsm, target, None, _SUM, _IGNORE)
         ctx.save_for_backward(lsm, target, total_weight, rows)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
@@ -31,6 +32,7 @@ class _RowsCrossEntropy(torch.autograd.Function):
         out = workspace.zeros(ctx.shape, ctx.dtype) if g.device.type == "cpu" else g.new_zeros(ctx.shape)
         # the rows are distinct, so a copy gives what indexing's accumulating backward gives
         # (0 + v), in a tenth of its time (91 k rows x 40: 2.1 against 22.3 ms)
+        g_picked = g_picked.to(out.dtype)
         if rows.dtype == torch.bool:
             out[rows] = g_picked
         else:

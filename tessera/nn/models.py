@@ -78,7 +78,7 @@ class GNN(nn.Module):
         if self.label_emb is not None and label_rows is not None:
             # Even with no rows drawn, the input then requires grad on every rank, so all ranks
             # enter the same backward exchanges.
-            x = x.index_add(0, label_rows, self.label_emb(labels))
+            x = x.index_add(0, label_rows, self.label_emb(labels).to(x.dtype))
             constant = False
         # S-SpMM (MixGCN §3.2.1): with dropout right after a layer that aggregates last, its mask
         # is drawn first and only the kept outputs are aggregated; a layer that aggregates its

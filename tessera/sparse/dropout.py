@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tessera import workspace
+from tessera.bfloat16 import BF16, as_numpy, narrow, widen
 from tessera.sparse.hashing import hash32, index_hash
 from tessera.threads import sync_numba_threads
 
@@ -50,7 +51,10 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
     # out = mode's function of src (and aux) per element. The flat arrays are taken as rows of
     # ``width`` elements whose global index starts at rows[r] * width (r * width without row ids;
     # the last row may be short), hashed in blocks of _BLOCK global indices with one key per block.
+    # src, aux and out may hold bfloat16 bits (tessera.bfloat16): values are widened to scale's
+    # float32 and results rounded once.
     n = np.int64(out.size)
+    zero = narrow(out, scale * 0.0)  # out's zero (bfloat16 storage: its bits)
     for r in numba.prange((n + width - 1) // width):
         lo = np.int64(r) * width
         hi = min(n, lo + width)
@@ -69,28 +73,30 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
             elif mode == DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
-                    o[i] = a[i] * scale if _element_hash(g + i, key) >= threshold else 0.0
+                    o[i] = narrow(o, widen(a[i]) * scale) if _element_hash(g + i, key) >= threshold else zero
             elif mode == DROP_IN_PLACE:
                 for i in range(stop - c):
-                    o[i] = o[i] * scale if _element_hash(g + i, key) >= threshold else 0.0
+                    o[i] = narrow(o, widen(o[i]) * scale) if _element_hash(g + i, key) >= threshold else zero
             elif mode == _RELU_DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
-                    o[i] = max(a[i], 0.0) * scale if _element_hash(g + i, key) >= threshold else 0.0
+                    o[i] = narrow(o, max(widen(a[i]), 0.0) * scale) if _element_hash(g + i, key) >= threshold else zero
             elif mode == _ELU_DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
-                    v = a[i] if a[i] > 0.0 else np.expm1(a[i])
-                    o[i] = v * scale if _element_hash(g + i, key) >= threshold else 0.0
+                    ai = widen(a[i])
+                    v = ai if ai > 0.0 else np.expm1(ai)
+                    o[i] = narrow(o, v * scale) if _element_hash(g + i, key) >= threshold else zero
             elif mode == _RELU_DROP_GRAD:
                 a, y = src[c:stop], aux[c:stop]
                 for i in range(stop - c):
-                    o[i] = a[i] * scale if y[i] > 0.0 else 0.0
+                    o[i] = narrow(o, widen(a[i]) * scale) if widen(y[i]) > 0.0 else zero
             else:
                 a, y = src[c:stop], aux[c:stop]
                 for i in range(stop - c):
-                    d = scale if y[i] > 0.0 else y[i] + scale
-                    o[i] = a[i] * d if _element_hash(g + i, key) >= threshold else 0.0
+                    yi = widen(y[i])
+                    d = scale if yi > 0.0 else yi + scale
+                    o[i] = narrow(o, widen(a[i]) * d) if _element_hash(g + i, key) >= threshold else zero
             c = stop
 
 
@@ -101,6 +107,8 @@ def keep_threshold(p: float) -> np.uint32 | None:
 
 
 _NO_ROWS = np.zeros(1, np.int64)
+#: dtypes the hashed kernels run on (bfloat16 stored, computed in float32)
+HASHED_DTYPES = (torch.float32, torch.float64, BF16)
 
 
 def run_hashed(
@@ -119,11 +127,11 @@ def run_hashed(
         width = max(1, out[0].numel()) if out.shape[0] else 1
     flat = out.view(torch.uint8) if masking else out
     scale = 1.0 / (1.0 - p)
-    flat_out = flat.reshape(-1).numpy()
-    flat_src = flat_out if masking or mode == DROP_IN_PLACE else src.reshape(-1).numpy()
+    flat_out = as_numpy(flat.reshape(-1))
+    flat_src = flat_out if masking or mode == DROP_IN_PLACE else as_numpy(src.reshape(-1))
     _hashed(
         flat_src,
-        flat_src if aux is None else aux.reshape(-1).numpy(),
+        flat_src if aux is None else as_numpy(aux.reshape(-1)),
         flat_out,
         _NO_ROWS if rows is None else rows.to(torch.int64).contiguous().numpy(),
         rows is not None,
@@ -132,7 +140,7 @@ def run_hashed(
         np.uint64(seed & 0xFFFFFFFF),
         np.uint64(seed >> 32),
         keep_threshold(p),
-        np.float32(scale) if src.dtype == torch.float32 else np.float64(scale),
+        np.float32(scale) if src.dtype in (torch.float32, BF16) else np.float64(scale),
     )
 
 
@@ -172,7 +180,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, rows: torch.
         if p == 1.0:
             return x * 0.0
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+    if x.device.type != "cpu" or x.dtype not in HASHED_DTYPES:
         return torch.nn.functional.dropout(x, p, training)
     return _Dropout.apply(x, p, draw_seed(), rows)
 
@@ -212,12 +220,7 @@ def act_dropout(
     if act not in ACT_MODES:
         raise ValueError(f"unknown activation {act!r}; choose from {', '.join(ACTIVATIONS)}")
     p = p if training else 0.0
-    if (
-        not 0.0 <= p < 1.0
-        or keep_threshold(p) is None
-        or x.device.type != "cpu"
-        or x.dtype not in (torch.float32, torch.float64)
-    ):
+    if not 0.0 <= p < 1.0 or keep_threshold(p) is None or x.device.type != "cpu" or x.dtype not in HASHED_DTYPES:
         y = torch.relu(x) if act == "relu" else torch.nn.functional.elu(x)
         return dropout(y, p, training, rows)
     # p == 0 keeps every element (threshold 0) and draws no seed, as dropout() draws none then

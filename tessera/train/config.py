@@ -61,6 +61,7 @@ class TrainConfig:
     num_bases: int | None = None
     num_blocks: int | None = None
     rgcn_variant: str = "auto"
+    precision: str = "fp32"
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for mistyped or out-of-range values; returns self."""
@@ -105,6 +106,7 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        check_precision(self)
         split_variant(self.rgcn_variant)  # a gTask restriction that does not parse fails here
         parse_strategy(self.strategy, self.layers)  # auto, one entry, or one per layer
         if self.strategy == "hybrid" and self.nprocs > 1:
@@ -116,6 +118,27 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (JSON- and checkpoint-safe)."""
         return dataclasses.asdict(self)
+
+
+PRECISIONS = ("fp32", "bf16")
+# bfloat16 storage covers the models whose every op has a bfloat16 kernel, on one process
+BF16_MODELS = ("gcn", "sage", "gin")
+
+
+def check_precision(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError` for a ``precision`` that is unknown or not available with the other settings."""
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be fp32 or bf16, got {cfg.precision!r}")
+    if cfg.precision == "fp32":
+        return
+    refusals = [
+        (cfg.model not in BF16_MODELS, f"--model {cfg.model}", f"use --model {', '.join(BF16_MODELS)}"),
+        (cfg.nprocs > 1, f"--nprocs {cfg.nprocs}", "train on one process (--nprocs 1)"),
+        (cfg.norm != "none", f"--norm {cfg.norm}", "use --norm none"),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise ConfigError(f"--precision bf16 is not available with {what}: {fix}, or --precision fp32")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -144,7 +144,7 @@ class Trainer:
         pred = logits.argmax(1)
         sums = [(pred[i] == self.y[i]).sum().to(torch.float64) for i in self.idx.values()]
         vi = self.idx["val"]
-        sums.append(F.cross_entropy(logits[vi], self.y[vi], reduction="sum").to(torch.float64))
+        sums.append(F.cross_entropy(logits[vi].float(), self.y[vi], reduction="sum").to(torch.float64))
         tot = self.comm.all_reduce_sum(torch.stack(sums))
         res = {f"{k}_acc": float(tot[n] / self.counts[k]) if self.counts[k] else 0.0 for n, k in enumerate(self.idx)}
         res["val_loss"] = float(tot[3] / max(self.counts["val"], 1))

@@ -218,6 +218,8 @@ def prepare(
     # the shard's rows are a copy (renumbered or another rank's slice) unless it is the caller's graph
     owned = not (isinstance(original, Graph) and shard.x is original.x)
     x = prepare_features(shard.x, cfg.feature_norm, non_negative=bool(total[3] == 0), in_place=owned)
+    if cfg.precision == "bf16":  # features, activations and their gradients stored in bfloat16
+        x = x.to(torch.bfloat16)
     operands = [strategy.operand(spec, i) for i, spec in enumerate(specs)]
     counts = {k: int(total[i]) for i, k in enumerate(SPLITS)}
     return Setup(shard, x, model, strategy, operands, order, counts, plan)
