@@ -184,7 +184,7 @@ def test_linear_act_of_bfloat16_inputs_keeps_float32_weight_gradients(mask_only)
 
 def test_every_activation_of_a_bfloat16_step_is_stored_in_bfloat16(tmp_path):
     g = load("synthetic:tiny")
-    for model in ("gcn", "sage", "gin"):
+    for model in ("gcn", "sage", "gin", "gat"):
         cfg = TrainConfig(model=model, dataset="synthetic:tiny", hidden=32, progress=False, precision="bf16")
         cfg.out = str(tmp_path / model)
         tr = Trainer(cfg, g)
@@ -200,6 +200,10 @@ def test_every_activation_of_a_bfloat16_step_is_stored_in_bfloat16(tmp_path):
             h.remove()
         assert seen and all(a == BF16 and b == BF16 for a, b in seen), (model, seen)
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in tr.model.parameters())
+        assert all(p.grad.abs().sum() > 0 for p in tr.model.parameters()), model
+        with torch.no_grad():  # evaluation (a constant input: GIN's first layer memoises its sum)
+            tr.model.eval()
+            assert tr.model(tr.x, tr.operands).dtype == BF16
         cfg32 = TrainConfig(model=model, dataset="synthetic:tiny", hidden=32, progress=False, out=str(tmp_path / "f"))
         loss32 = Trainer(cfg32, g).train_step()
         assert abs(loss - loss32) < 0.02 * abs(loss32), (model, loss, loss32)
@@ -208,7 +212,7 @@ def test_every_activation_of_a_bfloat16_step_is_stored_in_bfloat16(tmp_path):
 @pytest.mark.parametrize(
     "flags, fix",
     [
-        (["--model", "gat"], "--model gcn, sage, gin"),
+        (["--model", "rgcn"], "--model gcn, sage, gin, gat"),
         (["--nprocs", "2"], "--nprocs 1"),
         (["--norm", "layer"], "--norm none"),
     ],
@@ -237,3 +241,46 @@ def test_bf16_accuracy_on_cora_is_float32s(planetoid_root, tmp_path, model, seed
             runs.append(train(cfg, graph)["test_acc"])
         accs[precision] = statistics.mean(runs)
     assert accs["bf16"] >= accs["fp32"] - points / 100, accs
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_attention_over_bfloat16_features_is_float32_attention_on_the_widened_rows(p):
+    graph = _graph(n=500)
+    edges = graph.add_self_loops()
+    a = sparse.as_operand(edges, "csr")
+    torch.manual_seed(5)
+    n, heads, width = graph.num_nodes, 4, 24
+    h = torch.randn(n, heads, width).bfloat16()
+    a_src, a_dst = torch.randn(n, heads), torch.randn(n, heads)
+    ids = sparse.edge_keys(edges, *a.edge_ids(torch.arange(n))) if p else None
+    leaves = [t.clone().requires_grad_() for t in (a_src, a_dst)]
+    hb = h.clone().requires_grad_()
+    torch.manual_seed(8)
+    out = sparse.attend(a, edges, *leaves, hb, 0.2, p, ids)
+    ref_leaves = [t.clone().requires_grad_() for t in (a_src, a_dst)]
+    hf = h.float().requires_grad_()
+    torch.manual_seed(8)
+    ref = sparse.attend(a, edges, *ref_leaves, hf, 0.2, p, ids)
+    assert out.dtype == BF16 and torch.equal(out, ref.bfloat16())  # float32 weights, one rounding
+    g = torch.randn(n, heads, width).bfloat16()
+    out.backward(g)
+    ref.backward(g.float())
+    assert hb.grad.dtype == BF16 and torch.equal(hb.grad, hf.grad.bfloat16())
+    for got, want in zip(leaves, ref_leaves):  # scores from bfloat16 rows, summed in float32 (double)
+        assert got.grad.dtype == torch.float32
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_float32_bias_added_to_a_bfloat16_output_makes_no_float32_copy_of_it():
+    from tessera.nn.conv._util import add_bias_
+
+    out = torch.randn(1000, 4, 64).bfloat16().requires_grad_()
+    bias = torch.randn(4, 64).requires_grad_()
+    with torch.profiler.profile(record_shapes=True) as prof:
+        y = add_bias_(out.clone(), bias)
+        y.backward(torch.ones(1000, 4, 64, dtype=BF16))
+    # as it is, a float32 operand makes the in-place add copy the whole output to float32 and back
+    whole = [e for e in prof.events() if e.name == "aten::_to_copy" and e.input_shapes[:1] == [[1000, 4, 64]]]
+    assert not whole
+    assert y.dtype == BF16 and torch.equal(y, (out + bias.bfloat16()).detach())
+    assert bias.grad.dtype == torch.float32 and torch.equal(bias.grad, torch.full((4, 64), 1000.0))

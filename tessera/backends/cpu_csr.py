@@ -673,7 +673,8 @@ class CSRBackend(Backend):
         squeeze = g.dim() == 2
         g3 = g.unsqueeze(1) if squeeze else g
         x3 = x.unsqueeze(1) if squeeze else x
-        out = workspace.empty((graph.num_edges, g3.shape[1]), g.dtype)
+        # per-edge scores in the arithmetic dtype: float32 for bfloat16 rows (attention stays float32)
+        out = workspace.empty((graph.num_edges, g3.shape[1]), compute_dtype(g.dtype))
         if graph.num_edges == 0 or g3.shape[1] == 0:
             return out.zero_().squeeze(1) if squeeze else out.zero_()
         items = self._items(graph, False, 1)

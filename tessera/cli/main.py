@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         "--precision",
         choices=("fp32", "bf16"),
         help="storage of features, activations and gradients: bf16 halves it, with float32 weights and sums "
-        "(gcn, sage, gin on one process; default fp32)",
+        "(gcn, sage, gin, gat on one process; default fp32)",
     )
     t.add_argument(
         "--label-prop", type=float, help="share of training labels fed as input features each epoch (default 0)"

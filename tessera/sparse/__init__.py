@@ -8,7 +8,7 @@ from tessera.sparse.attend import attend
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import act_dropout, dropout
-from tessera.sparse.linear import linear, linear_add_, linear_split
+from tessera.sparse.linear import cast_like, linear, linear_add_, linear_split
 from tessera.sparse.linear_act import Epilogue, linear_act
 from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
 from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
@@ -36,6 +36,7 @@ __all__ = [
     "linear_act",
     "linear_add_",
     "linear_split",
+    "cast_like",
     "lstm_aggregate",
     "masked_aggregate",
     "masked_spmm_t",

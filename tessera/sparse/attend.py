@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from tessera.bfloat16 import compute_dtype
 from tessera.graph.csr import CSRStructure
 from tessera.sparse.aggregate import aggregate
 from tessera.sparse.attention_kernels import check_terms, gat_attention, gat_attention_backward, gat_attention_forward
@@ -72,15 +73,17 @@ def attend(
 
     ``edges`` is the operand's :meth:`~Operand.edge_structure`, ``a_src``/``a_dst`` ``(N, H)``
     terms over its columns and rows, ``h`` ``(N, H, F)`` the sources' features, ``ids`` the
-    per-edge dropout keys (:func:`~tessera.sparse.edge_keys`); ``p`` 0 for no dropout."""
+    per-edge dropout keys (:func:`~tessera.sparse.edge_keys`); ``p`` 0 for no dropout. With
+    bfloat16 ``h`` the terms are float32, as are the attention weights and their gradients."""
     check_terms(edges, a_src, a_dst)
     if h.shape[0] != operand.num_cols:
         raise ValueError(f"h has {h.shape[0]} rows but the operand has {operand.num_cols} source vertices")
     fused = (
         a_src.dim() == 2
         and a_src.device.type == "cpu"
-        and a_src.dtype == a_dst.dtype == h.dtype
-        and h.dtype in (torch.float32, torch.float64)
+        # bfloat16 features take float32 attention (weights, scores and their gradients)
+        and a_src.dtype == a_dst.dtype == compute_dtype(h.dtype)
+        and h.dtype in (torch.float32, torch.float64, torch.bfloat16)
         and (p == 0.0 or (0.0 < p < 1.0 and keep_threshold(p) is not None))
     )
     if not fused:

@@ -122,7 +122,7 @@ class TrainConfig:
 
 PRECISIONS = ("fp32", "bf16")
 # bfloat16 storage covers the models whose every op has a bfloat16 kernel, on one process
-BF16_MODELS = ("gcn", "sage", "gin")
+BF16_MODELS = ("gcn", "sage", "gin", "gat")
 
 
 def check_precision(cfg: TrainConfig) -> None:

@@ -22,8 +22,10 @@ def glorot_(t: torch.Tensor) -> torch.Tensor:
 
 def add_bias_(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``out + bias``, in place: ``out`` is a layer's fresh output (an aggregation's or a linear
-    map's, which neither saves), so the bias costs no N x F temporary."""
-    return out if bias is None else out.add_(bias)
+    map's, which neither saves), so the bias costs no N x F temporary. A float32 bias of a
+    bfloat16 output is cast first: added as it is, the in-place add copies the whole output to
+    float32 and back."""
+    return out if bias is None else out.add_(sparse.cast_like(out, bias))
 
 
 class InputAggregate:

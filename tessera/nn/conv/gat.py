@@ -70,6 +70,8 @@ class GATConv(GraphConv):
             [torch.block_diag(*self.att_src[0].unsqueeze(1)), torch.block_diag(*self.att_dst[0].unsqueeze(1))]
         )
         terms = sparse.linear(flat, att)
+        if terms.dtype == torch.bfloat16:  # attention in float32 (N x 2 heads: small)
+            terms = terms.float()
         a_src, a_dst = terms[:, :heads].contiguous(), terms[:, heads:].contiguous()
         # The sources' features and attention terms (all local in one process; a partition's
         # remote sources arrive in one exchange), then the terms of every edge's two ends (under

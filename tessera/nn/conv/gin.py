@@ -38,9 +38,10 @@ class GINConv(GraphConv):
         a = as_operand(graph, self.backend).pattern()
         if hints.constant_input:
             out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
-            h = out + (1 + self.eps) * x  # not in place: the aggregate is kept
+            h = out + sparse.cast_like(x, 1 + self.eps) * x  # not in place: the aggregate is kept
         elif isinstance(self.eps, torch.nn.Parameter):
-            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask) + (1 + self.eps) * x
+            # eps (float32) in x's dtype: a bfloat16 x would otherwise be promoted to float32
+            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask) + sparse.cast_like(x, 1 + self.eps) * x
         else:  # the root term inside the aggregation, in place both ways: no N x F temporaries
             h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask, self_weight=1.0 + float(self.eps))
         if isinstance(self.nn, MLP):
