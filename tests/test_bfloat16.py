@@ -204,6 +204,7 @@ def test_every_activation_of_a_bfloat16_step_is_stored_in_bfloat16(tmp_path):
         with torch.no_grad():  # evaluation (a constant input: GIN's first layer memoises its sum)
             tr.model.eval()
             assert tr.model(tr.x, tr.operands).dtype == BF16
+        assert tr.predict().dtype == torch.float32
         cfg32 = TrainConfig(model=model, dataset="synthetic:tiny", hidden=32, progress=False, out=str(tmp_path / "f"))
         loss32 = Trainer(cfg32, g).train_step()
         assert abs(loss - loss32) < 0.02 * abs(loss32), (model, loss, loss32)

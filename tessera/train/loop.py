@@ -153,10 +153,11 @@ class Trainer:
     @torch.no_grad()
     def predict(self) -> torch.Tensor:
         """Logits of every vertex with the current weights (eval mode), rows in the caller's vertex
-        order (on a rank of a distributed run: its owned vertices, ``global_ids``)."""
+        order (on a rank of a distributed run: its owned vertices, ``global_ids``); float32 under
+        ``--precision bf16`` too."""
         self.model.eval()
         rows = self.idx["train"] if self.cfg.label_prop > 0 else None
-        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids)
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids).float()
         return logits if self.order is None else self.order.to_original(logits)
 
     # ------------------------------------------------------------------ state
