@@ -18,8 +18,10 @@ backend choices read from disk).
         --epochs 4 --threads 2 --runs cold warm --md out.md
 
 ``--first-touch GIB`` measures the machine instead: a fresh process writes ``GIB`` GiB of new
-memory in 256 MiB pieces, twice (the second time into pages the first process just freed), and
-prints seconds per GiB: what a first epoch pays for memory no earlier epoch has used.
+memory in 256 MiB pieces, unmaps it and writes as much again; then a second process does the
+same right after. It prints seconds per GiB for each, in transparent huge pages (what NumPy's
+large arrays and the workspace's blocks ask for) and in 4 KiB pages: what a first epoch pays for
+memory no earlier epoch has used.
 """
 
 from __future__ import annotations
@@ -71,25 +73,46 @@ print(json.dumps({"import_s": t_import, "load_s": t_load, "setup_s": t_setup, "e
 
 
 TOUCH = r"""
-import json, sys, time
+import ctypes, json, mmap, sys, time
 import numpy as np
-pieces, keep = int(sys.argv[1]), []
-t0 = time.perf_counter()
-for _ in range(pieces):
-    a = np.empty(64 << 20, np.float32)  # 256 MiB
-    a.fill(1.0)
-    keep.append(a)
-print(json.dumps({"s_per_gib": (time.perf_counter() - t0) / (pieces / 4)}))
+pieces, huge = int(sys.argv[1]), sys.argv[2] == "huge"
+libc = ctypes.CDLL(None)
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+def write(maps):
+    t0 = time.perf_counter()
+    for _ in range(pieces):
+        m = mmap.mmap(-1, 256 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        a = np.frombuffer(m, np.float32)
+        libc.madvise(a.ctypes.data, a.nbytes, 14 if huge else 15)  # MADV_HUGEPAGE / MADV_NOHUGEPAGE
+        a.fill(1.0)
+        del a
+        maps.append(m)
+    return (time.perf_counter() - t0) / (pieces / 4)
+maps = []
+fresh = write(maps)
+for m in maps:
+    m.close()
+print(json.dumps({"fresh": fresh, "reused": write([])}))
 """
 
 
-def first_touch(gib: float, python: str) -> list[float]:
-    """Seconds per GiB of first writes in two fresh processes, one right after the other."""
+def first_touch(gib: float, python: str) -> dict[str, list[float]]:
+    """Seconds per GiB of first writes, per page size (``huge``: transparent huge pages, as NumPy
+    and the workspace ask for; ``small``: 4 KiB pages): in a fresh process, again in that process
+    into the memory it just unmapped, and in a second fresh process right after."""
     pieces = max(1, round(gib * 4))
-    runs = [
-        subprocess.run([python, "-c", TOUCH, str(pieces)], capture_output=True, text=True, check=True) for _ in range(2)
-    ]
-    return [json.loads(r.stdout)["s_per_gib"] for r in runs]
+    out = {}
+    for pages in ("huge", "small"):
+        runs = [
+            json.loads(
+                subprocess.run(
+                    [python, "-c", TOUCH, str(pieces), pages], capture_output=True, text=True, check=True
+                ).stdout
+            )
+            for _ in range(2)
+        ]
+        out[pages] = [runs[0]["fresh"], runs[0]["reused"], runs[1]["fresh"]]
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run every model cold then warm; print and write the table."""
     a = parse_args(argv)
     if a.first_touch is not None:
-        fresh, again = first_touch(a.first_touch, a.python)
-        print(
-            f"first writes of {a.first_touch:g} GiB: {fresh:.2f} s/GiB in a fresh process, {again:.2f} s/GiB right after"
-        )
+        for pages, (fresh, reused, again) in first_touch(a.first_touch, a.python).items():
+            print(
+                f"first writes of {a.first_touch:g} GiB in {pages} pages: {fresh:.2f} s/GiB in a fresh process, "
+                f"{reused:.2f} s/GiB into memory it had just unmapped, {again:.2f} s/GiB in a second process right after"
+            )
         return 0
     rows = []
     for model in a.models:

@@ -49,9 +49,13 @@ _libc: list = []
 def advise_huge(ptr: int, nbytes: int) -> None:
     """Ask Linux for transparent huge pages behind the 2 MiB-aligned interior of ``[ptr, ptr + nbytes)``.
 
-    First-touching 87 MB in 4 KiB pages cost 17 ms here, in 2 MiB pages 4.7 ms (measured with
-    ``transparent_hugepage`` set to ``madvise``, the common default), and huge pages keep the
-    TLB from missing on every gathered row. Best effort: any failure leaves the memory as it was."""
+    Huge pages keep the TLB from missing on every gathered row, and memory the process wrote
+    before costs 0.11 s/GiB to write into again in them against 0.41 s/GiB in 4 KiB pages. Memory
+    new to the process is the host's to give: on the Intel VM of the benchmarks' sessions 11-15
+    huge pages were faster there too (87 MB: 4.7 ms against 17 ms), on the AMD EPYC VM of sessions
+    16-20 slower (1.9 s/GiB against 0.4-0.5; ``benchmarks/bench_startup.py --first-touch 2``):
+    that is paid once, in the first step, and steady steps are faster with them (RESULTS.md,
+    session 20). Best effort: any failure leaves the memory as it was."""
     if not sys.platform.startswith("linux") or _libc[:1] == [None]:
         return
     try:

@@ -1,12 +1,21 @@
 """The counting sorts that build, renumber and transpose CSRs equal numpy's stable sorts."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
+from tessera.backends import get_backend
 from tessera.graph import Graph
 from tessera.graph.graph import all_finite
-from tessera.graph.sorting import mirror_transpose, renumbered_csr, same_through, transpose_csr
+from tessera.graph.sorting import (
+    mirror_transpose,
+    mirrored_values_equal,
+    renumbered_csr,
+    transpose_csr,
+    with_self_loops,
+)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -95,6 +104,13 @@ def test_add_self_loops_equals_rebuilding_from_edges(sorted_rows):
     assert torch.equal(got.indptr, want.indptr)
     assert torch.equal(got.indices, want.indices)
     assert torch.equal(got.edge_weight, want.edge_weight)
+    # with no per-edge data to carry, no entry ids are written: the same structure, no weights
+    bare = Graph.from_csr(indptr, src[order], n).add_self_loops()
+    assert bare.edge_weight is None
+    assert torch.equal(bare.indptr, want.indptr)
+    assert torch.equal(bare.indices, want.indices)
+    ids, loops, take = with_self_loops(indptr, src[order], want_take=False)
+    assert take is None and np.array_equal(loops, want.indices.numpy()) and np.array_equal(ids, want.indptr.numpy())
 
 
 def _symmetric_csr(rng, n: int, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -121,21 +137,41 @@ def test_mirror_transpose_is_transpose_csr_for_symmetric_structure(dtype):
     assert np.array_equal(perm, want)
     g = Graph.from_csr(indptr, indices, n)
     t = g.transpose()
-    assert t.indices is g.indices and t.indptr is g.indptr and np.array_equal(t.perm.numpy(), want)
+    assert t.indices is g.indices and t.indptr is g.indptr
+    assert callable(t._perm)  # not written until asked for
+    assert np.array_equal(copy.deepcopy(g).transpose().perm.numpy(), want)  # a graph still copies
+    assert np.array_equal(t.perm.numpy(), want) and t.perm is t.perm
 
 
-def test_same_through_tells_symmetric_values_from_others():
+def test_mirrored_values_equal_tells_symmetric_values_from_others():
     rng = np.random.default_rng(5)
     n = 40
     indptr, indices = _symmetric_csr(rng, n, 500)
-    perm = np.empty(indices.size, np.int64)
-    assert mirror_transpose(indptr, indices, perm)
     rows = np.repeat(np.arange(n), np.diff(indptr))
-    sym = (rows + 1.0) * (indices + 1.0)  # w_ij = w_ji
-    assert same_through(sym, perm)
+    sym = ((rows + 1.0) * (indices + 1.0)).astype(np.float32)  # w_ij = w_ji
+    assert mirrored_values_equal(indptr, indices, sym)
     skew = sym.copy()
     skew[np.flatnonzero(rows != indices)[7]] += 1.0  # one off-diagonal entry changed, its mirror not
-    assert not same_through(skew, perm)
+    assert not mirrored_values_equal(indptr, indices, skew)
+    # one edge 0 -> 1 without its reverse: not symmetric, whatever the values
+    assert not mirrored_values_equal(np.array([0, 0, 1, 1]), np.array([0]), np.ones(1, np.float32))
+
+
+def test_gcn_backward_on_a_symmetric_graph_writes_no_transpose_permutation():
+    # GCN's normalised values of an undirected graph are their own transpose: its backward
+    # multiplies by the matrix itself, and the E-entry permutation is never built
+    rng = np.random.default_rng(6)
+    n = 50
+    indptr, indices = _symmetric_csr(rng, n, 400)
+    a = Graph.from_csr(indptr, indices, n).gcn_norm()
+    csr = get_backend("csr")
+    g = torch.randn(n, 6)
+    got = csr.spmm_t(a, g, a.edge_weight)
+    t = a.transpose()
+    assert t.indices is a.indices and callable(t._perm)
+    dense = torch.zeros(n, n)
+    dense.index_put_((a.dst_index(), a.src_index()), a.edge_weight, accumulate=True)
+    torch.testing.assert_close(got, dense.t() @ g, rtol=1e-5, atol=1e-5)
 
 
 def test_mirror_transpose_refuses_asymmetric_or_unsorted_structure():

@@ -14,7 +14,7 @@ import torch
 from tessera import workspace
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
-from tessera.graph.sorting import same_through
+from tessera.graph.sorting import mirrored_values_equal
 from tessera.memo import PlanCache
 
 
@@ -68,10 +68,10 @@ class Backend(ABC):
         (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
         callers change them through ``.data``, which the version counter does not see; so are
         weights in workspace blocks, each a value of one step (:func:`changes_every_step`)."""
-        perm = graph.transpose().perm  # as stored (int32 where it fits): no int64 copy of E entries kept
+        t = graph.transpose()  # perm as stored (int32 where it fits): no int64 copy of E entries kept
         if changes_every_step(weight):
-            out = workspace.empty((perm.numel(), *weight.shape[1:]), weight.dtype)
-            return torch.index_select(weight.detach(), 0, perm, out=out)
+            out = workspace.empty((t.perm.numel(), *weight.shape[1:]), weight.dtype)
+            return torch.index_select(weight.detach(), 0, t.perm, out=out)
         memo = self.plans.get(graph, "transposed_weight", dict)
         hit = memo.get(weight.dtype)
         if hit is not None and hit[0]() is weight and hit[1] == weight._version:
@@ -80,12 +80,12 @@ class Backend(ABC):
         # a symmetric matrix's symmetric values (GCN's D^-1/2 A D^-1/2 of an undirected graph) are their own
         # transpose: no copy kept
         mirrored = (
-            graph.transpose().indices is graph.indices
+            t.indices is graph.indices
             and w.dim() == 1
-            and w.device.type == perm.device.type == "cpu"
-            and same_through(w.numpy(), perm.numpy())
+            and w.device.type == graph.indices.device.type == "cpu"
+            and mirrored_values_equal(graph.indptr.numpy(), graph.indices.numpy(), w.numpy())
         )
-        wt = weight if mirrored else w.index_select(0, perm)
+        wt = weight if mirrored else w.index_select(0, t.perm)
         self.keep_transposed_weight(graph, weight, None if mirrored else wt)
         return wt
 

@@ -3,7 +3,9 @@ rectangular matrices a partitioned rank multiplies with, and the helpers every C
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,14 +26,28 @@ def rows_of(indptr: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
 
 
-@dataclass(frozen=True)
 class TransposedCSR:
     """Column-major CSR of a matrix: ``indices[indptr[j]:indptr[j+1]]`` are the rows with an entry
-    in column ``j`` and ``perm`` maps each transposed position to its entry id in the row-major CSR."""
+    in column ``j`` and ``perm`` maps each transposed position to its entry id in the row-major CSR.
+    ``perm`` may be given as a function that makes it on first use: a symmetric matrix's transpose
+    is the matrix itself, and only products with per-edge values that differ from their mirrors'
+    (attention) read it."""
 
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    perm: torch.Tensor
+    def __init__(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        perm: torch.Tensor | Callable[[], torch.Tensor],
+    ) -> None:
+        self.indptr, self.indices = indptr, indices
+        self._perm = perm
+
+    @property
+    def perm(self) -> torch.Tensor:
+        """Each transposed position's entry id in the row-major CSR."""
+        if callable(self._perm):
+            self._perm = self._perm()
+        return self._perm
 
 
 class CSRStructure:
@@ -80,11 +96,11 @@ class CSRStructure:
 
         def make() -> TransposedCSR:
             indptr, indices = self.indptr.numpy(), self.indices.numpy()
-            perm = np.empty(indices.size, indptr.dtype)
-            # a symmetric matrix is its own transpose: one copy of the structure serves both
-            if self.num_rows == self.num_cols and mirror_transpose(indptr, indices, perm):
-                return TransposedCSR(self.indptr, self.indices, torch.from_numpy(perm))
-            parts = transpose_csr(indptr, indices, self.num_cols, indptr.dtype, perm)
+            # a symmetric matrix is its own transpose: one copy of the structure serves both, and
+            # its E-entry perm is written only if asked for
+            if self.num_rows == self.num_cols and mirror_transpose(indptr, indices):
+                return TransposedCSR(self.indptr, self.indices, partial(_mirror_perm, self.indptr, self.indices))
+            parts = transpose_csr(indptr, indices, self.num_cols, indptr.dtype)
             return TransposedCSR(*(torch.from_numpy(a) for a in parts))
 
         return self._derived("transpose", make)
@@ -98,6 +114,13 @@ class CSRStructure:
                 f"not the transpose of this {self.num_rows} x {self.num_cols} CSR with {self.num_edges} entries"
             )
         self._structure["transpose"] = t
+
+
+def _mirror_perm(indptr: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """A symmetric CSR's transpose permutation (each entry's mirror entry), as :func:`transpose_csr`'s."""
+    perm = np.empty(indices.numel(), indptr.numpy().dtype)
+    mirror_transpose(indptr.numpy(), indices.numpy(), perm)
+    return torch.from_numpy(perm)
 
 
 @dataclass(eq=False)

@@ -311,10 +311,13 @@ class Graph(CSRStructure):
         loops keep their weight (and relation), duplicate loops collapse into their last one,
         missing ones get ``fill_value`` (and, on a typed graph, relation ``loop_type``)."""
         n = self.num_nodes
-        indptr, indices, take = with_self_loops(self.indptr.numpy(), self.indices.numpy())
-        take = torch.from_numpy(take)
+        weighted = self.edge_weight is not None or fill_value != 1.0
+        indptr, indices, take = with_self_loops(
+            self.indptr.numpy(), self.indices.numpy(), weighted or self.edge_type is not None
+        )
+        take = None if take is None else torch.from_numpy(take)
         weight = None
-        if self.edge_weight is not None or fill_value != 1.0:
+        if weighted:
             base = self.edge_weight if self.edge_weight is not None else torch.ones(self.num_edges)
             weight = torch.cat([base, torch.full((n,), float(fill_value))]).index_select(0, take)
         etype = None

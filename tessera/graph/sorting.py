@@ -64,8 +64,9 @@ def _loops(indptr, indices, counts, kept):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _with_self_loops(indptr, indices, kept, new_indptr, out_indices, take):
-    # row r: its entries but loops, plus one loop r -> r (entry kept[r]), sources stably sorted
+def _with_self_loops(indptr, indices, kept, new_indptr, out_indices, take, want_take):
+    # row r: its entries but loops, plus one loop r -> r (entry kept[r]), sources stably sorted;
+    # without want_take, take is out_indices itself (the sort's payload: rewritten with the same keys)
     for r in numba.prange(indptr.size - 1):
         p = new_indptr[r]
         placed = False
@@ -74,13 +75,19 @@ def _with_self_loops(indptr, indices, kept, new_indptr, out_indices, take):
             if c == r:
                 continue
             if not placed and c > r:
-                out_indices[p], take[p] = r, kept[r]
+                out_indices[p] = r
+                if want_take:
+                    take[p] = kept[r]
                 p += 1
                 placed = True
-            out_indices[p], take[p] = c, q
+            out_indices[p] = c
+            if want_take:
+                take[p] = q
             p += 1
         if not placed:
-            out_indices[p], take[p] = r, kept[r]
+            out_indices[p] = r
+            if want_take:
+                take[p] = kept[r]
             p += 1
         _sort_span(out_indices, take, new_indptr[r], p)  # linear on a row already sorted
 
@@ -98,13 +105,15 @@ def _first_at_least(indices, a, b, v):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _mirror(indptr, indices, perm, bounds, ok):
+def _mirror(indptr, indices, perm, want_perm, values, check_values, bounds, ok):
     # Each part t walks its rows [bounds[t], bounds[t + 1]) in order: row i's k-th entry of column
     # j pairs with the next unpaired slot of row j among those holding the part's columns, which
     # in a symmetric CSR with sorted rows holds column i (the entry transpose_csr would place
     # there). Every pairing is checked, and a slot of column i can only be paired by row i's part,
     # so passes without a mismatch have matched each entry with a distinct mirror entry: the
     # structure is symmetric, and with every row checked sorted, perm is transpose_csr's.
+    # want_perm writes each entry's mirror into perm; check_values also requires values to agree
+    # with their mirrors'.
     n = indptr.size - 1
     for t in numba.prange(bounds.size - 1):
         b0, b1 = bounds[t], bounds[t + 1]
@@ -121,23 +130,15 @@ def _mirror(indptr, indices, perm, bounds, ok):
                     good = False
                     break
                 p = cursor[j]
-                if p >= stop[j] or indices[p] != i:
+                if p >= stop[j] or indices[p] != i or (check_values and values[p] != values[q]):
                     good = False
                     break
-                perm[q] = p
+                if want_perm:
+                    perm[q] = p
                 cursor[j] = p + 1
             if not good:
                 break
         ok[t] = good
-
-
-@numba.njit(parallel=True, cache=True, nogil=True)
-def _same_through(values, perm):
-    # counted on all threads: the answer expected is yes, which reads every entry anyway
-    differ = 0
-    for q in numba.prange(perm.size):
-        differ += values[perm[q]] != values[q]
-    return differ == 0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -173,11 +174,14 @@ def renumbered_csr(
     return new_indptr, src, eid
 
 
-def with_self_loops(indptr: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def with_self_loops(
+    indptr: np.ndarray, indices: np.ndarray, want_take: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A square CSR with exactly one self loop per row: ``(indptr, indices, take)``, where ``take``
     holds each entry's old entry id; a row's loop is its last stored loop, or, if it had none,
     ``num_edges + row``. Sources stay stably sorted within each row. int32 where every id and
-    offset fits (as :func:`~tessera.graph.csr.index_dtype`), else int64."""
+    offset fits (as :func:`~tessera.graph.csr.index_dtype`), else int64. ``take`` is None unless
+    ``want_take``: a graph with no per-edge data to carry over need not write (and page in) it."""
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
     n = indptr.size - 1
     sync_numba_threads()
@@ -188,9 +192,10 @@ def with_self_loops(indptr: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray
     dtype = np.int32 if max(indices.size + n, size) <= np.iinfo(np.int32).max else np.int64
     new_indptr = np.zeros(n + 1, dtype)
     np.cumsum(counts, out=new_indptr[1:])
-    out, take = np.empty(size, dtype), np.empty(size, dtype)
-    _with_self_loops(indptr, indices, kept, new_indptr, out, take)
-    return new_indptr, out, take
+    out = np.empty(size, dtype)
+    take = np.empty(size, dtype) if want_take else out
+    _with_self_loops(indptr, indices, kept, new_indptr, out, take, want_take)
+    return new_indptr, out, take if want_take else None
 
 
 def transpose_csr(
@@ -211,12 +216,24 @@ def transpose_csr(
     return t_indptr, t_indices, perm
 
 
-def mirror_transpose(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray) -> bool:
+def mirror_transpose(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray | None = None) -> bool:
     """Whether a square CSR equals its own transpose in structure (rows sorted, every entry
-    ``j -> i`` matched by an ``i -> j``, duplicates alike); if so ``perm`` (E entries, written)
-    holds what :func:`transpose_csr` would return as ``perm``, whose ``t_indptr`` and ``t_indices``
-    are then ``indptr`` and ``indices``. One pass over the entries, split over the threads by
-    rows, no E-entry copies."""
+    ``j -> i`` matched by an ``i -> j``, duplicates alike); if so, and ``perm`` (E entries) is
+    given, it is written with what :func:`transpose_csr` would return as ``perm``, whose
+    ``t_indptr`` and ``t_indices`` are then ``indptr`` and ``indices``. One pass over the
+    entries, split over the threads by rows, no E-entry copies."""
+    return _mirror_walk(indptr, indices, perm, None)
+
+
+def mirrored_values_equal(indptr: np.ndarray, indices: np.ndarray, values: np.ndarray) -> bool:
+    """Whether a square CSR is symmetric in structure (as :func:`mirror_transpose`) and every
+    entry's value equals its mirror entry's: the matrix is its own transpose, values and all.
+    Checked in the same pass, without the permutation."""
+    return _mirror_walk(indptr, indices, None, np.ascontiguousarray(values))
+
+
+def _mirror_walk(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray | None, values: np.ndarray | None) -> bool:
+    """:func:`_mirror` over parts of about equal entry counts, one per thread."""
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
     n = indptr.size - 1
     sync_numba_threads()
@@ -227,11 +244,15 @@ def mirror_transpose(indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray) 
     bounds = np.searchsorted(indptr, np.linspace(0, indices.size, parts + 1)).astype(np.int64)
     bounds[0], bounds[-1] = 0, n
     ok = np.zeros(parts, np.bool_)
-    _mirror(indptr, indices, perm, bounds, ok)
+    none = indices[:0]  # an unused operand: typed as the indices, never read
+    _mirror(
+        indptr,
+        indices,
+        none if perm is None else perm,
+        perm is not None,
+        none if values is None else values,
+        values is not None,
+        bounds,
+        ok,
+    )
     return bool(ok.all())
-
-
-def same_through(values: np.ndarray, perm: np.ndarray) -> bool:
-    """Whether ``values[perm]`` equals ``values`` entry for entry (checked without the copy)."""
-    sync_numba_threads()
-    return bool(_same_through(values, perm))
