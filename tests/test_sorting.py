@@ -141,6 +141,9 @@ def test_mirror_transpose_is_transpose_csr_for_symmetric_structure(dtype):
     assert callable(t._perm)  # not written until asked for
     assert np.array_equal(copy.deepcopy(g).transpose().perm.numpy(), want)  # a graph still copies
     assert np.array_equal(t.perm.numpy(), want) and t.perm is t.perm
+    # a caller about to read perm (attention's backward) gets it from the walk that checks symmetry
+    t = Graph.from_csr(indptr, indices, n).transpose(with_perm=True)
+    assert not callable(t._perm) and np.array_equal(t.perm.numpy(), want)
 
 
 def test_mirrored_values_equal_tells_symmetric_values_from_others():

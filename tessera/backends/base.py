@@ -68,8 +68,11 @@ class Backend(ABC):
         (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
         callers change them through ``.data``, which the version counter does not see; so are
         weights in workspace blocks, each a value of one step (:func:`changes_every_step`)."""
-        t = graph.transpose()  # perm as stored (int32 where it fits): no int64 copy of E entries kept
-        if changes_every_step(weight):
+        # perm as stored (int32 where it fits): no int64 copy of E entries kept; a weight that may be
+        # its own mirror image (below) is checked without it
+        every_step = changes_every_step(weight)
+        t = graph.transpose(with_perm=every_step or weight.dim() != 1 or weight.device.type != "cpu")
+        if every_step:
             out = workspace.empty((t.perm.numel(), *weight.shape[1:]), weight.dtype)
             return torch.index_select(weight.detach(), 0, t.perm, out=out)
         memo = self.plans.get(graph, "transposed_weight", dict)

@@ -625,7 +625,7 @@ class CSRBackend(Backend):
         if weight is not None and weight.dim() == 2 and g.dim() == 3 and changes_every_step(weight):
             # per-head weights of one step (attention) are read through the transpose's
             # permutation: no permuted E x heads copy each backward
-            return self._run(graph, True, g, weight, out, graph.transpose().perm)
+            return self._run(graph, True, g, weight, out, graph.transpose(with_perm=True).perm)
         w = None if weight is None else self.transposed_weight(graph, weight)
         return self._run(graph, True, g, w, out)
 

@@ -261,7 +261,7 @@ class DenseBlockBackend(Backend):
     def spmm_t(self, graph: CSRStructure, g: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if self._delegate(g, weight) or (plan := self.plan(graph, True)).remainder is None:
             return self.remainder.spmm_t(graph, g, weight)
-        w = None if weight is None else weight.index_select(0, graph.transpose().perm.long())
+        w = None if weight is None else weight.index_select(0, graph.transpose(with_perm=True).perm.long())
         return self._product(plan, g.contiguous(), w)
 
     def sddmm_dot(self, graph: CSRStructure, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -90,16 +90,21 @@ class CSRStructure:
         """Entries per column (int64): each vertex's out-edges."""
         return self._derived("outdeg", lambda: torch.bincount(self.src_index(), minlength=self.num_cols))
 
-    def transpose(self) -> TransposedCSR:
+    def transpose(self, with_perm: bool = False) -> TransposedCSR:
         """Column-major CSR (computed once), used by backward passes to scatter without atomics.
-        A structurally symmetric matrix's shares its row pointers and sources (only ``perm`` is new)."""
+        A structurally symmetric matrix's shares its row pointers and sources, and its ``perm``
+        is written on first use; a caller about to read ``perm`` says so (``with_perm``), so that
+        the walk that finds the matrix symmetric writes it too."""
 
         def make() -> TransposedCSR:
             indptr, indices = self.indptr.numpy(), self.indices.numpy()
-            # a symmetric matrix is its own transpose: one copy of the structure serves both, and
-            # its E-entry perm is written only if asked for
-            if self.num_rows == self.num_cols and mirror_transpose(indptr, indices):
-                return TransposedCSR(self.indptr, self.indices, partial(_mirror_perm, self.indptr, self.indices))
+            # a symmetric matrix is its own transpose: one copy of the structure serves both
+            if self.num_rows == self.num_cols:
+                perm = np.empty(indices.size, indptr.dtype) if with_perm else None
+                if mirror_transpose(indptr, indices, perm):
+                    if with_perm:
+                        return TransposedCSR(self.indptr, self.indices, torch.from_numpy(perm))
+                    return TransposedCSR(self.indptr, self.indices, partial(_mirror_perm, self.indptr, self.indices))
             parts = transpose_csr(indptr, indices, self.num_cols, indptr.dtype)
             return TransposedCSR(*(torch.from_numpy(a) for a in parts))
 

@@ -367,7 +367,7 @@ def gat_attention_backward(
         gdst.numpy(),
     )
     if need_src:
-        t = graph.transpose()
+        t = graph.transpose(with_perm=True)
         _backward_src_kernel(
             t.indptr.numpy(), t.perm.numpy(), dpre.numpy(), *_plan_args(_plan(graph, True)), gsrc.numpy()
         )
