@@ -68,10 +68,11 @@ class Backend(ABC):
         (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
         callers change them through ``.data``, which the version counter does not see; so are
         weights in workspace blocks, each a value of one step (:func:`changes_every_step`)."""
-        # perm as stored (int32 where it fits): no int64 copy of E entries kept; a weight that may be
-        # its own mirror image (below) is checked without it
+        # perm as stored (int32 where it fits): no int64 copy of E entries kept; a fixed CPU weight
+        # may be its own mirror image (below), which is checked without it
         every_step = changes_every_step(weight)
-        t = graph.transpose(with_perm=every_step or weight.dim() != 1 or weight.device.type != "cpu")
+        may_mirror = not every_step and weight.dim() == 1 and weight.device.type == graph.indices.device.type == "cpu"
+        t = graph.transpose(with_perm=not may_mirror)
         if every_step:
             out = workspace.empty((t.perm.numel(), *weight.shape[1:]), weight.dtype)
             return torch.index_select(weight.detach(), 0, t.perm, out=out)
@@ -83,9 +84,8 @@ class Backend(ABC):
         # a symmetric matrix's symmetric values (GCN's D^-1/2 A D^-1/2 of an undirected graph) are their own
         # transpose: no copy kept
         mirrored = (
-            t.indices is graph.indices
-            and w.dim() == 1
-            and w.device.type == graph.indices.device.type == "cpu"
+            may_mirror
+            and t.indices is graph.indices
             and mirrored_values_equal(graph.indptr.numpy(), graph.indices.numpy(), w.numpy())
         )
         wt = weight if mirrored else w.index_select(0, t.perm)

@@ -99,13 +99,11 @@ class CSRStructure:
         def make() -> TransposedCSR:
             indptr, indices = self.indptr.numpy(), self.indices.numpy()
             # a symmetric matrix is its own transpose: one copy of the structure serves both
-            if self.num_rows == self.num_cols:
-                perm = np.empty(indices.size, indptr.dtype) if with_perm else None
-                if mirror_transpose(indptr, indices, perm):
-                    if with_perm:
-                        return TransposedCSR(self.indptr, self.indices, torch.from_numpy(perm))
-                    return TransposedCSR(self.indptr, self.indices, partial(_mirror_perm, self.indptr, self.indices))
-            parts = transpose_csr(indptr, indices, self.num_cols, indptr.dtype)
+            perm = np.empty(indices.size, indptr.dtype) if with_perm else None
+            if self.num_rows == self.num_cols and mirror_transpose(indptr, indices, perm):
+                later = partial(_mirror_perm, self.indptr, self.indices)
+                return TransposedCSR(self.indptr, self.indices, later if perm is None else torch.from_numpy(perm))
+            parts = transpose_csr(indptr, indices, self.num_cols, indptr.dtype, perm)
             return TransposedCSR(*(torch.from_numpy(a) for a in parts))
 
         return self._derived("transpose", make)
