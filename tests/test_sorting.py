@@ -39,6 +39,10 @@ def test_renumbered_rows_are_the_stable_sort_of_the_renamed_edges(dtype):
     assert np.array_equal(eid, want)
     assert np.array_equal(got_src, new_src[want])
     assert np.array_equal(got_indptr[1:], np.cumsum(np.bincount(new_dst, minlength=n)))
+    # without entry ids: the same structure, the rows sorted with no payload
+    bare_indptr, bare_src, none = renumbered_csr(indptr.astype(dtype), src[order].astype(dtype), perm, inv, False)
+    assert none is None
+    assert np.array_equal(bare_indptr, got_indptr) and np.array_equal(bare_src, got_src)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
@@ -175,6 +179,41 @@ def test_gcn_backward_on_a_symmetric_graph_writes_no_transpose_permutation():
     dense = torch.zeros(n, n)
     dense.index_put_((a.dst_index(), a.src_index()), a.edge_weight, accumulate=True)
     torch.testing.assert_close(got, dense.t() @ g, rtol=1e-5, atol=1e-5)
+
+
+def test_gcn_values_of_an_unweighted_graph_need_no_mirror_check(monkeypatch):
+    # 1 / sqrt(d_i d_j) is the same both ways: the backward takes the values as their own
+    # transpose without walking them; weighted graphs' values, and values changed in place, are checked
+    import tessera.backends.base as base
+    from tessera.graph.normalize import known_mirrored
+
+    rng = np.random.default_rng(8)
+    n = 60
+    indptr, indices = _symmetric_csr(rng, n, 500)
+    walks = []
+    monkeypatch.setattr(base, "mirrored_values_equal", lambda *a: walks.append(1) or mirrored_values_equal(*a))
+    csr = get_backend("csr")
+    g = torch.randn(n, 5)
+
+    def dense_t(a):
+        d = torch.zeros(n, n)
+        d.index_put_((a.dst_index(), a.src_index()), a.edge_weight, accumulate=True)
+        return d.t() @ g
+
+    a = Graph.from_csr(indptr, indices, n).gcn_norm(improved=True)
+    assert known_mirrored(a.edge_weight)
+    torch.testing.assert_close(csr.spmm_t(a, g, a.edge_weight), dense_t(a), rtol=1e-5, atol=1e-5)
+    assert walks == []
+    weights = torch.rand(indices.size)
+    b = Graph.from_csr(indptr, indices, n, edge_weight=weights).gcn_norm()
+    assert not known_mirrored(b.edge_weight)  # asymmetric weights: so the values may be
+    torch.testing.assert_close(csr.spmm_t(b, g, b.edge_weight), dense_t(b), rtol=1e-5, atol=1e-5)
+    assert walks == [1]
+    c = Graph.from_csr(indptr, indices, n).gcn_norm()
+    c.edge_weight[3] += 1.0  # changed in place: no longer known, walked and found asymmetric
+    assert not known_mirrored(c.edge_weight)
+    torch.testing.assert_close(csr.spmm_t(c, g, c.edge_weight), dense_t(c), rtol=1e-5, atol=1e-5)
+    assert walks == [1, 1]
 
 
 def test_mirror_transpose_refuses_asymmetric_or_unsorted_structure():

@@ -14,6 +14,7 @@ import torch
 from tessera import workspace
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
+from tessera.graph.normalize import known_mirrored
 from tessera.graph.sorting import mirrored_values_equal
 from tessera.memo import PlanCache
 
@@ -82,11 +83,13 @@ class Backend(ABC):
             return weight if hit[2] is None else hit[2]
         w = weight.detach()
         # a symmetric matrix's symmetric values (GCN's D^-1/2 A D^-1/2 of an undirected graph) are their own
-        # transpose: no copy kept
+        # transpose: no copy kept; GCN's values of an unweighted graph are known to be, with no walk to check
         mirrored = (
             may_mirror
             and t.indices is graph.indices
-            and mirrored_values_equal(graph.indptr.numpy(), graph.indices.numpy(), w.numpy())
+            and (
+                known_mirrored(weight) or mirrored_values_equal(graph.indptr.numpy(), graph.indices.numpy(), w.numpy())
+            )
         )
         wt = weight if mirrored else w.index_select(0, t.perm)
         self.keep_transposed_weight(graph, weight, None if mirrored else wt)

@@ -14,7 +14,7 @@ import torch
 from tessera.digest import digest
 from tessera.errors import GraphError
 from tessera.graph.csr import CSRStructure, index_dtype
-from tessera.graph.normalize import gcn_values
+from tessera.graph.normalize import gcn_values, mark_mirrored
 from tessera.graph.sorting import with_self_loops
 
 _MASKS = ("train_mask", "val_mask", "test_mask")
@@ -372,7 +372,10 @@ class Graph(CSRStructure):
         in-degree at the destination."""
         g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
         w = None if g.edge_weight is None else g.edge_weight.numpy()
-        return g.replace(edge_weight=torch.from_numpy(gcn_values(g.indptr.numpy(), g.indices.numpy(), w)))
+        out = g.replace(edge_weight=torch.from_numpy(gcn_values(g.indptr.numpy(), g.indices.numpy(), w)))
+        if self.edge_weight is None:  # every weight 1 but the loops': the values are 1 / sqrt(d_i d_j) both ways
+            mark_mirrored(out.edge_weight)
+        return out
 
     def relation_counts(self) -> torch.Tensor:
         """Edges per relation (int64, length ``num_relations``); GraphError on an untyped graph."""

@@ -195,8 +195,11 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True) -> Graph:
     perm = np.asarray(perm, dtype=np.int64)
     if not is_permutation(perm, n):
         raise ValueError(f"perm is not a permutation of [0, {n})")
-    indptr, src, eid = renumbered_csr(graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm))
-    et = torch.from_numpy(eid)
+    edge_data = graph.edge_weight is not None or graph.edge_type is not None
+    indptr, src, eid = renumbered_csr(
+        graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm), want_eid=edge_data
+    )
+    et = None if eid is None else torch.from_numpy(eid)
     pt = torch.from_numpy(perm)
     data: dict[str, Any] = {
         "edge_weight": None if graph.edge_weight is None else graph.edge_weight.index_select(0, et),

@@ -24,6 +24,17 @@ def _insertion_sort(keys, payload, lo, hi):
         keys[j + 1], payload[j + 1] = k, v
 
 
+@numba.njit(inline="always")
+def _insertion_sort_keys(keys, lo, hi):
+    for i in range(lo + 1, hi):
+        k = keys[i]
+        j = i - 1
+        while j >= lo and keys[j] > k:
+            keys[j + 1] = keys[j]
+            j -= 1
+        keys[j + 1] = k
+
+
 @numba.njit(cache=True, nogil=True)
 def _sort_span(keys, payload, lo, hi):
     # keys[lo:hi] stably sorted with payload alongside: short or sorted spans by insertion (no
@@ -41,14 +52,22 @@ def _sort_span(keys, payload, lo, hi):
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _renumbered(indptr, indices, perm, inv, new_indptr, src, eid):
-    # new row r is old row perm[r] with every source renamed, then stably sorted in place
+def _renumbered(indptr, indices, perm, inv, new_indptr, src, eid, want_eid):
+    # new row r is old row perm[r] with every source renamed, then stably sorted in place (with
+    # its entry ids alongside, or, without want_eid, the sources alone: no payload to move)
     for r in numba.prange(perm.size):
-        p = new_indptr[r]
+        lo = p = new_indptr[r]
         for q in range(indptr[perm[r]], indptr[perm[r] + 1]):
-            src[p], eid[p] = inv[indices[q]], q
+            src[p] = inv[indices[q]]
+            if want_eid:
+                eid[p] = q
             p += 1
-        _sort_span(src, eid, new_indptr[r], p)
+        if want_eid:
+            _sort_span(src, eid, lo, p)
+        elif p - lo > 64:
+            src[lo:p].sort()
+        else:
+            _insertion_sort_keys(src, lo, p)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
@@ -160,18 +179,21 @@ def _transpose(indptr, indices, num_cols, t_indptr, t_indices, perm):
 
 
 def renumbered_csr(
-    indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray, inv: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    indptr: np.ndarray, indices: np.ndarray, perm: np.ndarray, inv: np.ndarray, want_eid: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A square CSR with vertex ``perm[i]`` renamed ``i``: ``(indptr, indices, eid)`` in the input's
-    index dtype, ``eid`` each entry's old entry id; sources stably sorted within each row."""
+    index dtype, ``eid`` each entry's old entry id; sources stably sorted within each row. ``eid``
+    is None unless ``want_eid``: a graph with no per-edge data to carry over need not write (and
+    page in) it, and its rows sort without a payload."""
     indptr, indices = np.ascontiguousarray(indptr), np.ascontiguousarray(indices)
     perm, inv = np.ascontiguousarray(perm), np.ascontiguousarray(inv)
     new_indptr = np.zeros(perm.size + 1, indptr.dtype)
     np.cumsum(np.diff(indptr)[perm], out=new_indptr[1:])
-    src, eid = np.empty(indices.size, indices.dtype), np.empty(indices.size, indices.dtype)
+    src = np.empty(indices.size, indices.dtype)
+    eid = np.empty(indices.size if want_eid else 0, indices.dtype)
     sync_numba_threads()
-    _renumbered(indptr, indices, perm, inv, new_indptr, src, eid)
-    return new_indptr, src, eid
+    _renumbered(indptr, indices, perm, inv, new_indptr, src, eid, want_eid)
+    return new_indptr, src, eid if want_eid else None
 
 
 def with_self_loops(
