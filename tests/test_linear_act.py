@@ -5,6 +5,7 @@ import torch
 
 from tessera import sparse
 from tessera.sparse import Epilogue, linear_act
+from tessera.sparse.deferred import owed_to
 from tessera.sparse.linear_act import CHUNK_BYTES
 
 
@@ -78,3 +79,66 @@ def test_mask_only_is_ignored_by_activations_whose_backward_reads_the_output():
     x, w = torch.randn(40, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
     y = linear_act([x], [w], None, Epilogue("elu", 0.0, mask_only=True))
     assert any(s.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for s in y.grad_fn.saved_tensors)
+
+
+def _owed_case(split: bool, other_reader: bool, dtype: torch.dtype):
+    """A hidden layer's linear_act feeding the next layer's linear map (or the two maps of
+    linear_split), optionally read by something else too; returns the loss's gradients and
+    whether the map left its input-gradient product to linear_act."""
+    gen = torch.Generator().manual_seed(5)
+    n, f_in, hidden = 2 * CHUNK_BYTES // (4 * 64) + 9, 12, 64
+    x = torch.randn(n, f_in, generator=gen).to(dtype)
+    w1 = torch.randn(hidden, f_in, generator=gen).requires_grad_()
+    b1 = torch.randn(hidden, generator=gen).requires_grad_()
+    w2 = torch.randn(7, hidden, generator=gen).requires_grad_()
+    w3 = torch.randn(5, hidden, generator=gen).requires_grad_()
+    g = torch.randn(n, 12, generator=gen).to(dtype)
+    y = linear_act([x], [w1], b1, Epilogue("relu", 0.0, takes_owed=True))
+    owed = owed_to(y)
+    z = torch.cat(sparse.linear_split(y, [w2, w3]), 1) if split else sparse.linear(y, torch.cat([w2, w3]))
+    loss = (z.float() * g.float()).sum()
+    if other_reader:
+        loss = loss + (y.float() ** 2).sum()
+    loss.backward()
+    return [w1.grad, b1.grad, w2.grad, w3.grad], owed is not None and not owed.terms
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("other_reader", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_next_layers_input_gradient_formed_in_chunks_equals_the_whole_product(split, other_reader, dtype):
+    """The next layer's map leaves ``g W`` to linear_act, which forms it chunk by chunk (no N x F
+    gradient block): the gradients are those of the plain product, also when the output has a
+    second reader whose gradient arrives summed with the stand-in zeros."""
+    import sys
+
+    linear_module = sys.modules["tessera.sparse.linear"]
+    got, used = _owed_case(split, other_reader, dtype)
+    assert used  # the terms were recorded and then taken by linear_act's backward
+    # without takes_owed (a caller may ask for the output's own gradient) nothing is owed
+    y = linear_act([torch.randn(9, 3)], [torch.randn(4, 3, requires_grad=True)], None, Epilogue("relu"))
+    assert owed_to(y) is None
+    plain = linear_module.owed_to
+    linear_module.owed_to = lambda x: None
+    try:
+        want, _ = _owed_case(split, other_reader, dtype)
+    finally:
+        linear_module.owed_to = plain
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=tol, atol=tol * float(c.abs().max()))
+    # and against autograd through torch's own ops (float32)
+    if dtype == torch.float32:
+        gen = torch.Generator().manual_seed(5)
+        n, f_in, hidden = 2 * CHUNK_BYTES // (4 * 64) + 9, 12, 64
+        x = torch.randn(n, f_in, generator=gen)
+        ref = [
+            torch.randn(s, generator=gen).requires_grad_()
+            for s in [(hidden, f_in), (hidden,), (7, hidden), (5, hidden)]
+        ]
+        g = torch.randn(n, 12, generator=gen)
+        y = torch.relu(x @ ref[0].T + ref[1])
+        loss = ((y @ torch.cat(ref[2:]).T) * g).sum() + ((y**2).sum() if other_reader else 0.0)
+        loss.backward()
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a, r.grad, rtol=1e-4, atol=1e-4 * float(r.grad.abs().max()))

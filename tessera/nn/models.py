@@ -111,7 +111,9 @@ class GNN(nn.Module):
             p = self.dropout if dropped and self.training else 0.0
             epilogue = None
             if i < last and conv.takes_epilogue and not fuse:
-                epilogue = Epilogue(self.activation, p, mask_only=not self.convs[i + 1].keeps_input())
+                # nothing but the next layer reads x, and nothing asks for its gradient: the next
+                # layer's linear map may leave its input-gradient product to the epilogue's node
+                epilogue = Epilogue(self.activation, p, mask_only=not self.convs[i + 1].keeps_input(), takes_owed=True)
             x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue))
             if i < last and epilogue is None:
                 x = sparse.act_dropout(x, self.activation, p, self.training, rows)

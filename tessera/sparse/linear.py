@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tessera import workspace
 from tessera.bfloat16 import BF16
+from tessera.sparse.deferred import owe, owed_to
 from tessera.sparse.gemm_path import gemm_path, kept_onednn_fits, onednn_add_, onednn_product
 from tessera.sparse.sparsity import sparse_rows
 
@@ -52,10 +53,14 @@ def mm_into_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tenso
 
 
 def _grads(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The input and weight gradients of ``x @ weight.T`` (saved as ``ctx``'s tensors) for ``g``."""
+    """The input and weight gradients of ``x @ weight.T`` (saved as ``ctx``'s tensors) for ``g``;
+    the input gradient is left to ``x``'s producer where it takes owed products (:mod:`~tessera.sparse.deferred`)."""
     x, weight = ctx.saved_tensors
     g = g.contiguous()
-    gx = _mm_t(g, weight.t()) if ctx.needs_input_grad[1] else None
+    gx = None
+    if ctx.needs_input_grad[1]:
+        owed = owed_to(x)
+        gx = _mm_t(g, weight.t()) if owed is None else owe(owed, x, g, weight)
     gw = None
     if ctx.needs_input_grad[2]:
         # When most rows of g are zero (a loss on the training vertices only), the weight
@@ -127,7 +132,10 @@ class _LinearSplit(torch.autograd.Function):
                 part.zero_()
             else:
                 part.copy_(gi)
-        gx = _mm_t(g, w.t()) if ctx.needs_input_grad[0] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            owed = owed_to(x)
+            gx = _mm_t(g, w.t()) if owed is None else owe(owed, x, g, w)
         gw = g.t().mm(x) if any(ctx.needs_input_grad[1:]) else None
         return gx, *(gw.split(ctx.widths) if gw is not None else [None] * len(ctx.widths))
 
