@@ -28,6 +28,11 @@ class PlanCache:
         self._by_id[oid] = (ref, {})
         return self._by_id[oid][1]
 
+    def find(self, obj: object, key: Hashable) -> Any:
+        """The value stored for ``(obj, key)``, or None (nothing is stored for ``obj`` by asking)."""
+        hit = self._by_id.get(id(obj))
+        return hit[1].get(key) if hit is not None and hit[0]() is obj else None
+
     def get(self, obj: object, key: Hashable, make: Callable[[], Any]) -> Any:
         """The value stored for ``(obj, key)``, made the first time it is asked for."""
         entries = self.entries(obj)

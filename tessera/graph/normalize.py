@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import weakref
-
 import numba
 import numpy as np
 import torch
 
+from tessera.memo import PlanCache
 from tessera.threads import sync_numba_threads
 
 
@@ -42,8 +41,7 @@ def gcn_values(indptr: np.ndarray, indices: np.ndarray, weight: np.ndarray | Non
     return out
 
 
-# id(values) -> (a weak reference to them, their version when recorded)
-_mirrored: dict[int, tuple[weakref.ref, int]] = {}
+_mirrored = PlanCache()  # values -> their version when recorded
 
 
 def mark_mirrored(values: torch.Tensor) -> torch.Tensor:
@@ -51,12 +49,10 @@ def mark_mirrored(values: torch.Tensor) -> torch.Tensor:
     structure is symmetric, as :func:`gcn_values` of an unweighted graph do (``1 / sqrt(d_i d_j)``
     both ways): a symmetric structure's transpose then needs no walk to check them. The record
     lapses once ``values`` dies or is changed in place."""
-    key = id(values)
-    _mirrored[key] = (weakref.ref(values, lambda _: _mirrored.pop(key, None)), values._version)
+    _mirrored.entries(values)["version"] = values._version
     return values
 
 
 def known_mirrored(values: torch.Tensor) -> bool:
     """Whether ``values`` were recorded by :func:`mark_mirrored` and are unchanged since."""
-    hit = _mirrored.get(id(values))
-    return hit is not None and hit[0]() is values and hit[1] == values._version
+    return _mirrored.find(values, "version") == values._version

@@ -16,9 +16,9 @@ epilogue that says so (``Epilogue.takes_owed``, set by the model between its lay
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from tessera.memo import PlanCache
 
 
 class Owed:
@@ -38,21 +38,18 @@ class Owed:
         return terms, None if stand_in is not None and g is stand_in else g
 
 
-# id(y) -> (a weak reference to y, its record): the entry goes when y dies
-_accepting: dict[int, tuple[weakref.ref, Owed]] = {}
+_accepting = PlanCache()  # y -> its record
 
 
 def accept(y: torch.Tensor, owed: Owed) -> torch.Tensor:
     """Mark ``y`` (a fresh output whose producer's backward reads ``owed``) as taking owed products."""
-    key = id(y)
-    _accepting[key] = (weakref.ref(y, lambda _: _accepting.pop(key, None)), owed)
+    _accepting.entries(y)["owed"] = owed
     return y
 
 
 def owed_to(x: torch.Tensor) -> Owed | None:
     """The record of ``x`` when its producer takes owed products, else None."""
-    hit = _accepting.get(id(x))
-    return hit[1] if hit is not None and hit[0]() is x else None
+    return _accepting.find(x, "owed")
 
 
 def owe(owed: Owed, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
