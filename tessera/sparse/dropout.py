@@ -54,7 +54,11 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
     # src, aux and out may hold bfloat16 bits (tessera.bfloat16): values are widened to scale's
     # float32 and results rounded once.
     n = np.int64(out.size)
-    zero = narrow(out, scale * 0.0)  # out's zero (bfloat16 storage: its bits)
+    # Every value is computed and then selected, never loaded under the keep test: a load under
+    # a condition needs a masked load, which AVX2 lacks for 16-bit (bfloat16) elements, and a
+    # float64 literal would widen float32 lanes (bfloat16 rows 4x and float32 rows 2x slower on
+    # an AVX2-only AMD EPYC Zen 3: benchmarks/RESULTS.md, session 22).
+    z0 = scale - scale  # zero in scale's type: float32 for float32 and bfloat16 rows
     for r in numba.prange((n + width - 1) // width):
         lo = np.int64(r) * width
         hi = min(n, lo + width)
@@ -73,30 +77,34 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
             elif mode == DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
-                    o[i] = narrow(o, widen(a[i]) * scale) if _element_hash(g + i, key) >= threshold else zero
+                    v = widen(a[i]) * scale
+                    o[i] = narrow(o, v if _element_hash(g + i, key) >= threshold else z0)
             elif mode == DROP_IN_PLACE:
                 for i in range(stop - c):
-                    o[i] = narrow(o, widen(o[i]) * scale) if _element_hash(g + i, key) >= threshold else zero
+                    v = widen(o[i]) * scale
+                    o[i] = narrow(o, v if _element_hash(g + i, key) >= threshold else z0)
             elif mode == _RELU_DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
-                    o[i] = narrow(o, max(widen(a[i]), 0.0) * scale) if _element_hash(g + i, key) >= threshold else zero
+                    v = max(widen(a[i]), z0) * scale
+                    o[i] = narrow(o, v if _element_hash(g + i, key) >= threshold else z0)
             elif mode == _ELU_DROP:
                 a = src[c:stop]
                 for i in range(stop - c):
                     ai = widen(a[i])
-                    v = ai if ai > 0.0 else np.expm1(ai)
-                    o[i] = narrow(o, v * scale) if _element_hash(g + i, key) >= threshold else zero
+                    v = (ai if ai > z0 else np.expm1(ai)) * scale
+                    o[i] = narrow(o, v if _element_hash(g + i, key) >= threshold else z0)
             elif mode == _RELU_DROP_GRAD:
                 a, y = src[c:stop], aux[c:stop]
                 for i in range(stop - c):
-                    o[i] = narrow(o, widen(a[i]) * scale) if widen(y[i]) > 0.0 else zero
+                    v = widen(a[i]) * scale
+                    o[i] = narrow(o, v if widen(y[i]) > z0 else z0)
             else:
                 a, y = src[c:stop], aux[c:stop]
                 for i in range(stop - c):
                     yi = widen(y[i])
-                    d = scale if yi > 0.0 else yi + scale
-                    o[i] = narrow(o, widen(a[i]) * d) if _element_hash(g + i, key) >= threshold else zero
+                    v = widen(a[i]) * (scale if yi > z0 else yi + scale)
+                    o[i] = narrow(o, v if _element_hash(g + i, key) >= threshold else z0)
             c = stop
 
 
