@@ -15,6 +15,7 @@ from tessera.cli.main import main
 from tessera.datasets import load
 from tessera.errors import ConfigError
 from tessera.graph import Graph
+from tessera.sparse import widened
 from tessera.sparse.linear_act import Epilogue, linear_act
 from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer, train
@@ -145,8 +146,14 @@ def test_dropout_of_bfloat16_draws_float32s_mask_and_rounds_its_values(act):
         assert torch.equal(got, sparse.dropout(x.float(), p, True, rows).bfloat16())
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("mask_only", [False, True])
-def test_linear_act_of_bfloat16_inputs_keeps_float32_weight_gradients(mask_only):
+def test_linear_act_of_bfloat16_inputs_keeps_float32_weight_gradients(mask_only, native):
+    with widened.forced_native(native):
+        _check_linear_act_of_bfloat16(mask_only)
+
+
+def _check_linear_act_of_bfloat16(mask_only):
     torch.manual_seed(4)
     n, fi, fo = 5000, 48, 40
     xs = [torch.randn(n, fi).bfloat16().requires_grad_() for _ in range(2)]
@@ -287,3 +294,57 @@ def test_a_float32_bias_added_to_a_bfloat16_output_makes_no_float32_copy_of_it()
     assert not whole
     assert y.dtype == BF16 and torch.equal(y, (out + bias.bfloat16()).detach())
     assert bias.grad.dtype == torch.float32 and torch.equal(bias.grad, torch.full((4, 64), 1000.0))
+
+
+@pytest.mark.parametrize(
+    "op",
+    ["rows", "rows_out", "rows_bias", "rows_add", "reduction", "reduction_add"],
+)
+def test_widened_bfloat16_products_round_float32_products_once_as_the_native_ones(op):
+    torch.manual_seed(11)
+    # 9000 x 70 rows span several widened chunks; the reduction's shared dimension too
+    a = torch.randn(9000, 70).bfloat16()
+    w = torch.randn(70, 33).bfloat16()
+    bias = torch.randn(33).bfloat16()
+    acc = torch.randn(9000, 33).bfloat16()
+    g = torch.randn(9000, 33).bfloat16()
+
+    def run():
+        if op == "rows":
+            return widened.mm(a, w)
+        if op == "rows_out":
+            return widened.mm(a, w, out=torch.empty(9000, 33, dtype=BF16))
+        if op == "rows_bias":
+            return widened.addmm(bias, a, w, out=torch.empty(9000, 33, dtype=BF16))
+        if op == "rows_add":
+            return widened.addmm_(acc.clone(), a, w)
+        if op == "reduction":
+            return widened.mm(g.t(), a)  # a weight gradient: 33 x 9000 times 9000 x 70
+        return widened.addmm_(torch.ones(33, 70, dtype=BF16), g.t(), a)
+
+    want = {
+        "rows": a.double() @ w.double(),
+        "rows_out": a.double() @ w.double(),
+        "rows_bias": bias.double() + a.double() @ w.double(),
+        "rows_add": acc.double() + a.double() @ w.double(),
+        "reduction": g.double().t() @ a.double(),
+        "reduction_add": 1.0 + g.double().t() @ a.double(),
+    }[op]
+    with widened.forced_native(False):
+        got = run()
+    with widened.forced_native(True):
+        native = run()
+    assert got.dtype == BF16 and got.shape == want.shape
+    # float32 sums rounded once: within half a bfloat16 unit (at most 2**-8 of the value) of the
+    # exact value, plus float32's own rounding of sums that cancel; the same bits as the native
+    # product but where the two float32 sums straddle a rounding boundary
+    tol = 2**-8 * want.abs() + 1e-5 * want.abs().max()
+    assert ((got.double() - want).abs() <= tol).all()
+    assert ((native.double() - want).abs() <= tol).all()
+    assert got.ne(native).float().mean() < 0.01
+
+
+def test_float32_operands_take_torchs_product_whatever_the_cpu():
+    a, w = torch.randn(500, 20), torch.randn(20, 7)
+    with widened.forced_native(False):
+        assert torch.equal(widened.mm(a, w), torch.mm(a, w))

@@ -45,6 +45,7 @@ PATHS: tuple[GemmPath, ...] = ("mkl", "onednn_kept", "onednn")
 _MKLDNN = getattr(torch.ops, "mkldnn", None)
 _LP = getattr(_MKLDNN, "_linear_pointwise", None)
 _CONV_ = getattr(getattr(_MKLDNN, "_convolution_pointwise_", None), "binary", None)
+_BF16_CHECK = getattr(_MKLDNN, "_is_mkldnn_bf16_supported", None)
 _VERSION = 2
 # The probe: a layer's forward-like and input-gradient-like products, 70,000 rows. Both outputs
 # (72 and 36 MB) are above glibc's largest mmap threshold (32 MiB), so a fresh output is mapped
@@ -73,6 +74,13 @@ def onednn_usable() -> bool:
         return all(bool(torch.allclose(t, want, rtol=1e-5, atol=1e-6)) for t in got)
     except (RuntimeError, NotImplementedError):
         return False
+
+
+@functools.cache
+def native_bf16_gemm() -> bool:
+    """Whether this CPU's oneDNN multiplies bfloat16 at full speed (AVX-512 or AMX), as torch
+    decides; True where torch has no such check (its bfloat16 product is then all there is)."""
+    return True if _BF16_CHECK is None else bool(_BF16_CHECK())
 
 
 def onednn_product(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

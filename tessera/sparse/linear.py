@@ -7,7 +7,9 @@ a small output) stays on MKL. Other devices and dtypes use ``torch.nn.functional
 
 bfloat16 inputs (``--precision bf16``) multiply float32 weights as ``torch.autocast`` does: the
 weights are cast to bfloat16 (the cast is part of the graph, so their gradients arrive in float32),
-and the products run on oneDNN's bfloat16 GEMM, accumulating in float32, into kept blocks.
+and the products run on oneDNN's bfloat16 GEMM, accumulating in float32, into kept blocks, or,
+on a CPU without a native bfloat16 GEMM, on the float32 GEMM over widened chunks
+(:mod:`~tessera.sparse.widened`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from tessera import workspace
 from tessera.bfloat16 import BF16
+from tessera.sparse import widened
 from tessera.sparse.deferred import owe, owed_to
 from tessera.sparse.gemm_path import gemm_path, kept_onednn_fits, onednn_add_, onednn_product
 from tessera.sparse.sparsity import sparse_rows
@@ -49,7 +52,7 @@ def mm_into_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tenso
     oneDNN's outputs, else on MKL."""
     if gemm_path() == "onednn_kept" and out.dtype == torch.float32 and out.is_contiguous() and kept_onednn_fits(a, w):
         return onednn_add_(out.zero_(), a, w, b)
-    return torch.mm(a, w.t(), out=out) if b is None else torch.addmm(b, a, w.t(), out=out)
+    return widened.mm(a, w.t(), out=out) if b is None else widened.addmm(b, a, w.t(), out=out)
 
 
 def _grads(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -68,10 +71,10 @@ def _grads(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | No
         # stays one product: scattering its live rows into zeros measured slower.
         live = sparse_rows(g)
         if live is None:
-            gw = g.t().mm(x)
+            gw = widened.mm(g.t(), x)
         else:
             rows = torch.from_numpy(np.flatnonzero(live))
-            gw = g.index_select(0, rows).t().mm(x.index_select(0, rows))
+            gw = widened.mm(g.index_select(0, rows).t(), x.index_select(0, rows))
     return gx, gw
 
 
@@ -99,7 +102,7 @@ class _LinearAdd(torch.autograd.Function):
             return onednn_add_(acc, x, weight)
         if path == "onednn":
             return acc.add_(_mm_t(x, weight))
-        return acc.addmm_(x, weight.t())
+        return widened.addmm_(acc, x, weight.t())
 
     @staticmethod
     def backward(ctx, g):
@@ -136,7 +139,7 @@ class _LinearSplit(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             owed = owed_to(x)
             gx = _mm_t(g, w.t()) if owed is None else owe(owed, x, g, w)
-        gw = g.t().mm(x) if any(ctx.needs_input_grad[1:]) else None
+        gw = widened.mm(g.t(), x) if any(ctx.needs_input_grad[1:]) else None
         return gx, *(gw.split(ctx.widths) if gw is not None else [None] * len(ctx.widths))
 
 

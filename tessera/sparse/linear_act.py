@@ -26,6 +26,7 @@ import torch
 
 from tessera import workspace
 from tessera.bfloat16 import BF16
+from tessera.sparse import widened
 from tessera.sparse.deferred import Owed, accept
 from tessera.sparse.dropout import ACT_MODES, act_dropout, draw_seed, keep_threshold, run_hashed
 from tessera.sparse.linear import cast_like, linear, linear_add_, mm_into_
@@ -103,11 +104,11 @@ class _LinearAct(torch.autograd.Function):
             # MKL, which on blocks this size measured faster than oneDNN's zeroed in-place product
             # (products-sized GCN layer, AMD EPYC Zen 3: 0.33 s against 0.43 s)
             if b is None:
-                torch.mm(cs[0][r0:r1], ws[0].t(), out=z)
+                widened.mm(cs[0][r0:r1], ws[0].t(), out=z)
             else:
-                torch.addmm(b, cs[0][r0:r1], ws[0].t(), out=z)
+                widened.addmm(b, cs[0][r0:r1], ws[0].t(), out=z)
             for x, w in zip(cs[1:], ws[1:]):
-                z.addmm_(x[r0:r1], w.t())
+                widened.addmm_(z, x[r0:r1], w.t())
             run_hashed(z, y[r0:r1], seed, p, ids[r0:r1], forward_mode)
         ctx.p, ctx.seed, ctx.rows, ctx.n_in, ctx.owed = p, seed, rows, n_in, owed
         # ReLU's backward reads only whether each output is positive (dropped ones are zero)
@@ -153,7 +154,7 @@ class _LinearAct(torch.autograd.Function):
                 gb += d.sum(0)  # bfloat16 rows are summed in float32 and rounded once (15x faster than dtype=)
             for x, wt, gx, gw in zip(xs, wts, gxs, gws):
                 if gw is not None and half:  # no mixed-dtype addmm on CPU: each chunk's product rounded once
-                    gw += torch.mm(d.t(), x[r0:r1])
+                    gw += widened.mm(d.t(), x[r0:r1])
                 elif gw is not None:
                     gw.addmm_(d.t(), x[r0:r1])
                 if gx is not None:
@@ -167,9 +168,9 @@ def _owed_rows(
     """Rows ``r0:r1`` of ``sum_k g_k @ w_k`` (plus ``g``'s rows, when given) into ``out``."""
     for k, (go, wo) in enumerate(owed):
         if k == 0:
-            torch.mm(go[r0:r1], wo, out=out)
+            widened.mm(go[r0:r1], wo, out=out)
         else:
-            out.addmm_(go[r0:r1], wo)
+            widened.addmm_(out, go[r0:r1], wo)
     return out if g is None else out.add_(g)
 
 
