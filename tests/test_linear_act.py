@@ -142,3 +142,42 @@ def test_next_layers_input_gradient_formed_in_chunks_equals_the_whole_product(sp
         loss.backward()
         for a, r in zip(got, ref):
             torch.testing.assert_close(a, r.grad, rtol=1e-4, atol=1e-4 * float(r.grad.abs().max()))
+
+
+def _act_dropout_case(takes_owed: bool, split: bool, other_reader: bool, keyed: bool, dtype: torch.dtype):
+    """GAT's junction: an attention output through act_dropout (ELU, p 0.5) into the next layer's
+    linear map; returns the gradients and whether the map's product was owed and taken."""
+    gen = torch.Generator().manual_seed(8)
+    n, f_in, hidden = 3 * (1 << 20) // (4 * 48) + 5, 6, 48
+    x = torch.randn(n, f_in, generator=gen).to(dtype)
+    w1 = torch.randn(hidden, f_in, generator=gen).requires_grad_()
+    w2 = torch.randn(7, hidden, generator=gen).requires_grad_()
+    w3 = torch.randn(5, hidden, generator=gen).requires_grad_()
+    g = torch.randn(n, 12, generator=gen).to(dtype)
+    rows = torch.randperm(n, generator=gen) if keyed else None
+    h = sparse.linear(x, w1)
+    torch.manual_seed(21)
+    y = sparse.act_dropout(h, "elu", 0.5, True, rows, takes_owed=takes_owed)
+    owed = owed_to(y)
+    z = torch.cat(sparse.linear_split(y, [w2, w3]), 1) if split else sparse.linear(y, torch.cat([w2, w3]))
+    loss = (z.float() * g.float()).sum()
+    if other_reader:
+        loss = loss + (y.float() ** 2).sum()
+    loss.backward()
+    return [w1.grad, w2.grad, w3.grad], owed is not None and not owed.terms
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("other_reader", [False, True])
+@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_dropout_forms_the_next_layers_owed_input_gradient_in_chunks(split, other_reader, keyed, dtype):
+    """act_dropout (between GAT's layers) takes the next map's ``g W`` as linear_act does: the same
+    gradients as the plain product, the same dropout mask in every chunk, keyed or not."""
+    got, used = _act_dropout_case(True, split, other_reader, keyed, dtype)
+    assert used
+    want, plain_used = _act_dropout_case(False, split, other_reader, keyed, dtype)
+    assert not plain_used
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, c in zip(got, want):
+        torch.testing.assert_close(a, c, rtol=tol, atol=tol * float(c.abs().max()))

@@ -116,7 +116,9 @@ class GNN(nn.Module):
                 epilogue = Epilogue(self.activation, p, mask_only=not self.convs[i + 1].keeps_input(), takes_owed=True)
             x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue))
             if i < last and epilogue is None:
-                x = sparse.act_dropout(x, self.activation, p, self.training, rows)
+                # as with the epilogue above, the next layer's linear map may leave its
+                # input-gradient product to this node
+                x = sparse.act_dropout(x, self.activation, p, self.training, rows, takes_owed=True)
         return x
 
 

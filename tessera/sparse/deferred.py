@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tessera.memo import PlanCache
+from tessera.sparse import widened
 
 
 class Owed:
@@ -59,3 +60,16 @@ def owe(owed: Owed, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.
     if owed.stand_in is None:
         owed.stand_in = torch.zeros((), dtype=x.dtype, device=x.device).expand(x.shape)
     return owed.stand_in
+
+
+def owed_rows(
+    out: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]], r0: int, r1: int, g: torch.Tensor | None
+) -> torch.Tensor:
+    """Rows ``r0:r1`` of ``sum_k g_k @ w_k`` (plus ``g``, those rows of the rest of the gradient,
+    when given) into ``out``."""
+    for k, (go, wo) in enumerate(terms):
+        if k == 0:
+            widened.mm(go[r0:r1], wo, out=out)
+        else:
+            widened.addmm_(out, go[r0:r1], wo)
+    return out if g is None else out.add_(g)

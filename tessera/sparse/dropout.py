@@ -19,6 +19,7 @@ import torch
 
 from tessera import workspace
 from tessera.bfloat16 import BF16, as_numpy, narrow, widen
+from tessera.sparse.deferred import Owed, accept, owed_rows
 from tessera.sparse.hashing import hash32, index_hash
 from tessera.threads import sync_numba_threads
 
@@ -197,34 +198,63 @@ ACT_MODES = {"relu": (_RELU_DROP, _RELU_DROP_GRAD), "elu": (_ELU_DROP, _ELU_DROP
 ACTIVATIONS = tuple(ACT_MODES)
 
 
+# Rows per chunk of a backward that forms owed products: about a megabyte of them, kept in cache
+# between the product and the activation's gradient
+OWED_CHUNK_BYTES = 1 << 20
+
+
 class _ActDropout(torch.autograd.Function):
     """``dropout(act(x))`` in one pass over ``x`` into a workspace block, saving only the output:
-    its backward reads the activation's derivative off the output and recomputes the mask."""
+    its backward reads the activation's derivative off the output and recomputes the mask. With
+    an :class:`~tessera.sparse.deferred.Owed` record, the next layer's linear map leaves its
+    input-gradient product to this backward, which forms it a chunk of rows at a time."""
 
     @staticmethod
-    def forward(ctx, x, act, p, seed, rows):
+    def forward(ctx, x, act, p, seed, rows, owed):
         x = x.contiguous()
         out = workspace.empty_like(x)
         forward_mode, ctx.grad_mode = ACT_MODES[act]
         run_hashed(x, out, seed, p, rows, forward_mode)
-        ctx.p, ctx.seed, ctx.rows = p, seed, rows
+        ctx.p, ctx.seed, ctx.rows, ctx.owed = p, seed, rows, owed
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved_tensors
-        g = g.contiguous()
-        gx = workspace.empty_like(g)
-        run_hashed(g, gx, ctx.seed, ctx.p, ctx.rows, ctx.grad_mode, aux=y)
-        return gx, None, None, None, None
+        terms, g = ctx.owed.take(g) if ctx.owed is not None else ([], g)
+        g = None if g is None else g.contiguous()
+        gx = workspace.empty(y.shape, y.dtype if g is None else g.dtype)
+        if not terms:
+            run_hashed(g, gx, ctx.seed, ctx.p, ctx.rows, ctx.grad_mode, aux=y)
+            return gx, None, None, None, None, None
+        # the owed rows of g W formed in cache and consumed there: no N x F block of them
+        n, width = y.shape[0], y[0].numel()
+        terms = [(go.contiguous(), wo.to(gx.dtype).contiguous()) for go, wo in terms]
+        step = min(n, max(64, OWED_CHUNK_BYTES // (gx.element_size() * max(width, 1))))
+        buf = torch.empty((step, width), dtype=gx.dtype)
+        flat_y, flat_gx = y.view(n, width), gx.view(n, width)
+        ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            rest = None if g is None else g.view(n, width)[r0:r1]
+            src = owed_rows(buf[: r1 - r0], terms, r0, r1, rest)
+            run_hashed(src, flat_gx[r0:r1], ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=flat_y[r0:r1])
+        return gx, None, None, None, None, None
 
 
 def act_dropout(
-    x: torch.Tensor, act: str, p: float = 0.5, training: bool = True, rows: torch.Tensor | None = None
+    x: torch.Tensor,
+    act: str,
+    p: float = 0.5,
+    training: bool = True,
+    rows: torch.Tensor | None = None,
+    takes_owed: bool = False,
 ) -> torch.Tensor:
     """``dropout(act(x), p)`` for ``act`` in :data:`ACTIVATIONS` (ELU with alpha 1), in one pass,
-    drawing the mask :func:`dropout` would draw (same seed draw, same ``rows`` keying)."""
+    drawing the mask :func:`dropout` would draw (same seed draw, same ``rows`` keying).
+    ``takes_owed``: the output's readers may leave their input-gradient products to this node
+    (:mod:`tessera.sparse.deferred`), only where nothing asks for the output's own gradient."""
     if act not in ACT_MODES:
         raise ValueError(f"unknown activation {act!r}; choose from {', '.join(ACTIVATIONS)}")
     p = p if training else 0.0
@@ -232,7 +262,10 @@ def act_dropout(
         y = torch.relu(x) if act == "relu" else torch.nn.functional.elu(x)
         return dropout(y, p, training, rows)
     # p == 0 keeps every element (threshold 0) and draws no seed, as dropout() draws none then
-    return _ActDropout.apply(x, act, p, draw_seed() if p > 0.0 else 0, rows)
+    seed = draw_seed() if p > 0.0 else 0
+    owed = Owed() if takes_owed and torch.is_grad_enabled() and x.dim() == 2 else None
+    y = _ActDropout.apply(x, act, p, seed, rows, owed)
+    return y if owed is None else accept(y, owed)
 
 
 def dropout_mask(shape: tuple[int, ...], p: float, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 from tessera import workspace
 from tessera.bfloat16 import BF16
 from tessera.sparse import widened
-from tessera.sparse.deferred import Owed, accept
+from tessera.sparse.deferred import Owed, accept, owed_rows
 from tessera.sparse.dropout import ACT_MODES, act_dropout, draw_seed, keep_threshold, run_hashed
 from tessera.sparse.linear import cast_like, linear, linear_add_, mm_into_
 
@@ -148,7 +148,7 @@ class _LinearAct(torch.autograd.Function):
             d = d_buf[: r1 - r0]
             src = g[r0:r1] if g is not None else None
             if owed:
-                src = _owed_rows(g_buf[: r1 - r0], owed, r0, r1, src)
+                src = owed_rows(g_buf[: r1 - r0], owed, r0, r1, src)
             run_hashed(src, d, ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=y[r0:r1])
             if gb is not None:
                 gb += d.sum(0)  # bfloat16 rows are summed in float32 and rounded once (15x faster than dtype=)
@@ -160,18 +160,6 @@ class _LinearAct(torch.autograd.Function):
                 if gx is not None:
                     mm_into_(gx[r0:r1], d, wt)
         return (gb, None, None, None, None, None, None, None, *gxs, *gws)
-
-
-def _owed_rows(
-    out: torch.Tensor, owed: list[tuple[torch.Tensor, torch.Tensor]], r0: int, r1: int, g: torch.Tensor | None
-) -> torch.Tensor:
-    """Rows ``r0:r1`` of ``sum_k g_k @ w_k`` (plus ``g``'s rows, when given) into ``out``."""
-    for k, (go, wo) in enumerate(owed):
-        if k == 0:
-            widened.mm(go[r0:r1], wo, out=out)
-        else:
-            widened.addmm_(out, go[r0:r1], wo)
-    return out if g is None else out.add_(g)
 
 
 def linear_act(
