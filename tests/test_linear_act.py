@@ -95,12 +95,18 @@ def _owed_case(split: bool, other_reader: bool, dtype: torch.dtype):
     g = torch.randn(n, 12, generator=gen).to(dtype)
     y = linear_act([x], [w1], b1, Epilogue("relu", 0.0, takes_owed=True))
     owed = owed_to(y)
+    _next_layer_backward(y, w2, w3, g, split, other_reader)
+    return [w1.grad, b1.grad, w2.grad, w3.grad], owed is not None and not owed.terms
+
+
+def _next_layer_backward(y, w2, w3, g, split: bool, other_reader: bool) -> None:
+    """Backward through the next layer's map of ``y`` (one linear, or linear_split's two), and
+    through a second reader of ``y`` where asked."""
     z = torch.cat(sparse.linear_split(y, [w2, w3]), 1) if split else sparse.linear(y, torch.cat([w2, w3]))
     loss = (z.float() * g.float()).sum()
     if other_reader:
         loss = loss + (y.float() ** 2).sum()
     loss.backward()
-    return [w1.grad, b1.grad, w2.grad, w3.grad], owed is not None and not owed.terms
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -159,11 +165,7 @@ def _act_dropout_case(takes_owed: bool, split: bool, other_reader: bool, keyed: 
     torch.manual_seed(21)
     y = sparse.act_dropout(h, "elu", 0.5, True, rows, takes_owed=takes_owed)
     owed = owed_to(y)
-    z = torch.cat(sparse.linear_split(y, [w2, w3]), 1) if split else sparse.linear(y, torch.cat([w2, w3]))
-    loss = (z.float() * g.float()).sum()
-    if other_reader:
-        loss = loss + (y.float() ** 2).sum()
-    loss.backward()
+    _next_layer_backward(y, w2, w3, g, split, other_reader)
     return [w1.grad, w2.grad, w3.grad], owed is not None and not owed.terms
 
 
