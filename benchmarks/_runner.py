@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -24,6 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from _child import MARKER
+
+
+def median_s(fn, repeats: int) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up (in-process micro-benchmarks)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

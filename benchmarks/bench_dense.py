@@ -12,8 +12,10 @@ Times, on ``--threads`` threads, the GEMM shapes of a 2-layer GCN epoch on an ar
     python benchmarks/bench_dense.py --threads 2
 
 ``--bf16`` prints instead, per product, fp32 into a kept output the way tessera computes it on this
-CPU (its GEMM path; the weight gradient on MKL) against bfloat16 inputs and output (torch's oneDNN
-bf16 GEMM, into a kept output): whether half-width storage would make the GEMMs of a step faster.
+CPU (its GEMM path; the weight gradient on MKL) against bfloat16 inputs and output two ways: torch's
+oneDNN bf16 GEMM into a kept output, and float32 products over widened chunks
+(``tessera.sparse.widened``, what tessera runs where oneDNN has no native bfloat16 GEMM); and which
+of the two tessera takes on this CPU.
 
     python benchmarks/bench_dense.py --threads 2 --bf16
 """
@@ -21,25 +23,14 @@ bf16 GEMM, into a kept output): whether half-width storage would make the GEMMs 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _runner import median_s
 
+from tessera.sparse import widened
 from tessera.sparse.gemm_path import cpu_model, gemm_path, onednn_add_, onednn_product, onednn_usable
 from tessera.sparse.linear import mm_into_
 from tessera.threads import set_num_threads
-
-
-def median_s(fn, repeats: int) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def layer_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
@@ -87,21 +78,26 @@ def bf16_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
         f"forward x W^T, {rows}x{fi} . {fi}x{fo}": (
             lambda: mm_into_(y, x, w),
             lambda: torch.mm(xb, wb.t(), out=yb),
+            lambda: widened.mm(xb, wb.t(), out=yb),
         ),
         f"input grad g W, {rows}x{fo} . {fo}x{fi}": (
             lambda: mm_into_(gx, g, wt),
             lambda: torch.mm(gb, wtb.t(), out=gxb),
+            lambda: widened.mm(gb, wtb.t(), out=gxb),
         ),
         f"weight grad g^T x, {fo}x{rows} . {rows}x{fi}": (
             lambda: torch.mm(g.t(), x, out=gw),
             lambda: torch.mm(gb.t(), xb, out=gwb),
+            lambda: widened.mm(gb.t(), xb, out=gwb),
         ),
     }
-    for name, (fp32, bf16) in cases.items():
-        t32, t16 = median_s(fp32, repeats), median_s(bf16, repeats)
+    for name, (fp32, native, wide) in cases.items():
+        t32, t16 = median_s(fp32, repeats), median_s(native, repeats)
+        with widened.forced_native(False):
+            tw = median_s(wide, repeats)
         print(
-            f"| {name} | {1e3 * t32:.1f} | {flops / t32 / 1e9:.0f} | {1e3 * t16:.1f} "
-            f"| {flops / t16 / 1e9:.0f} | {t32 / t16:.2f}x |"
+            f"| {name} | {1e3 * t32:.1f} | {flops / t32 / 1e9:.0f} | {1e3 * t16:.1f} | {flops / t16 / 1e9:.0f} "
+            f"| {1e3 * tw:.1f} | {flops / tw / 1e9:.0f} |"
         )
 
 
@@ -122,8 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     print()
     if a.bf16:
-        print(f"| product | fp32 ({gemm_path()}) ms | GFLOPS | bf16 ms | GFLOPS | bf16 speed-up |")
-        print("|---|---:|---:|---:|---:|---:|")
+        taken = "oneDNN bf16" if widened.native_bf16() else "widened"
+        print(f"bfloat16 products tessera takes on this CPU: {taken}")
+        print()
+        print(
+            f"| product | fp32 ({gemm_path()}) ms | GFLOPS | bf16 oneDNN ms | GFLOPS | bf16 widened to fp32 ms | GFLOPS |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|")
     else:
         print(
             "| product | MKL fresh ms | GFLOPS | MKL kept ms | GFLOPS | oneDNN fresh ms | GFLOPS "
