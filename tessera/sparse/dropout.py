@@ -57,8 +57,9 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
     n = np.int64(out.size)
     # Every value is computed and then selected, never loaded under the keep test: a load under
     # a condition needs a masked load, which AVX2 lacks for 16-bit (bfloat16) elements, and a
-    # float64 literal would widen float32 lanes (bfloat16 rows 4x and float32 rows 2x slower on
-    # an AVX2-only AMD EPYC Zen 3: benchmarks/RESULTS.md, session 22).
+    # float64 literal would widen float32 lanes. Loaded under the test, bfloat16 rows ran 9x and
+    # float32 ones 1.6-2.3x slower in the forward modes on an AVX2-only AMD EPYC Zen 3
+    # (python benchmarks/bench_dropout.py; benchmarks/RESULTS.md, session 22).
     z0 = scale - scale  # zero in scale's type: float32 for float32 and bfloat16 rows
     for r in numba.prange((n + width - 1) // width):
         lo = np.int64(r) * width

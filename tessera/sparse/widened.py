@@ -3,12 +3,13 @@ else float32 products over widened chunks.
 
 ``--precision bf16`` stores activations in bfloat16 and multiplies with float32 accumulation. With
 AVX-512 (BF16 or its emulation) oneDNN's bfloat16 GEMM does exactly that at full speed; on a CPU
-with AVX2 only it falls back to a slow kernel: 11 GFLOP/s against 56 for float32 (20 k x 256 times
-256 x 256, AMD EPYC Zen 3, 2 threads), which made a bf16 ``synthetic:arxiv`` GCN step 6x slower
-than float32. There, each product here widens a few megabytes of rows at a time to float32
+with AVX2 only it falls back to a slow kernel: 3-21 GFLOP/s against 49-101 for float32 on the
+products of an arxiv-sized layer (AMD EPYC Zen 3, 2 threads, ``python benchmarks/bench_dense.py
+--bf16``), which made a bf16 ``synthetic:arxiv`` GCN step take 5.3 s (``benchmarks/RESULTS.md``,
+session 22). There, each product here widens a few megabytes of rows at a time to float32
 (exact: a bfloat16 is a float32's high half), multiplies them on the float32 GEMM and rounds each
-result once, as the native kernel does; the operands stay bfloat16 in memory and no block larger
-than a chunk is widened. Other dtypes go straight to ``torch``.
+result once, as the native kernel does (54-103 GFLOP/s in the same run); the operands stay
+bfloat16 in memory and no block larger than a chunk is widened. Other dtypes go straight to ``torch``.
 """
 
 from __future__ import annotations
