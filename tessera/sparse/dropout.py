@@ -230,17 +230,15 @@ class _ActDropout(torch.autograd.Function):
             run_hashed(g, gx, ctx.seed, ctx.p, ctx.rows, ctx.grad_mode, aux=y)
             return gx, None, None, None, None, None
         # the owed rows of g W formed in cache and consumed there: no N x F block of them
-        n, width = y.shape[0], y[0].numel()
+        n, width = y.shape
         terms = [(go.contiguous(), wo.to(gx.dtype).contiguous()) for go, wo in terms]
-        step = min(n, max(64, OWED_CHUNK_BYTES // (gx.element_size() * max(width, 1))))
+        step = workspace.chunk_rows(width, gx.element_size(), n, OWED_CHUNK_BYTES)
         buf = torch.empty((step, width), dtype=gx.dtype)
-        flat_y, flat_gx = y.view(n, width), gx.view(n, width)
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            rest = None if g is None else g.view(n, width)[r0:r1]
-            src = owed_rows(buf[: r1 - r0], terms, r0, r1, rest)
-            run_hashed(src, flat_gx[r0:r1], ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=flat_y[r0:r1])
+            src = owed_rows(buf[: r1 - r0], terms, r0, r1, None if g is None else g[r0:r1])
+            run_hashed(src, gx[r0:r1], ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=y[r0:r1])
         return gx, None, None, None, None, None
 
 
@@ -264,6 +262,7 @@ def act_dropout(
         return dropout(y, p, training, rows)
     # p == 0 keeps every element (threshold 0) and draws no seed, as dropout() draws none then
     seed = draw_seed() if p > 0.0 else 0
+    # owed products are formed by rows of a matrix: a 2-D output only
     owed = Owed() if takes_owed and torch.is_grad_enabled() and x.dim() == 2 else None
     y = _ActDropout.apply(x, act, p, seed, rows, owed)
     return y if owed is None else accept(y, owed)

@@ -76,11 +76,6 @@ def _product(xs, weights, bias) -> torch.Tensor:
     return z
 
 
-def _chunk_rows(width: int, element_size: int, n: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Rows per chunk: about ``chunk_bytes`` of a ``width``-wide block, at least 64."""
-    return min(n, max(64, chunk_bytes // (element_size * max(width, 1))))
-
-
 class _LinearAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, bias, act, p, seed, rows, mask_only, owed, n_in, *xw):
@@ -94,7 +89,7 @@ class _LinearAct(torch.autograd.Function):
         forward_mode, ctx.grad_mode = ACT_MODES[act]
         # Row chunks: each chunk's pre-activation is formed in cache and passed through the
         # activation and dropout there, so no N x F pre-activation block is written or read.
-        step = _chunk_rows(width, y.element_size(), n, FORWARD_CHUNK_BYTES)
+        step = workspace.chunk_rows(width, y.element_size(), n, FORWARD_CHUNK_BYTES)
         z_buf = torch.empty((step, width), dtype=dt)
         ids = rows if rows is not None else torch.arange(n, dtype=torch.int64)
         for r0 in range(0, n, step):
@@ -137,7 +132,7 @@ class _LinearAct(torch.autograd.Function):
             for w, nw in zip(weights, need_w)
         ]
         gb = torch.zeros(width, dtype=torch.float32 if half else dt) if need_b else None
-        step = _chunk_rows(width, torch.finfo(dt).bits // 8, n)
+        step = workspace.chunk_rows(width, torch.finfo(dt).bits // 8, n, CHUNK_BYTES)
         d_buf = torch.empty((step, width), dtype=dt)
         g_buf = torch.empty((step, width), dtype=dt) if owed else None
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from tessera import workspace
 from tessera.bfloat16 import BF16
 from tessera.sparse.gemm_path import native_bf16_gemm
 
@@ -44,10 +45,6 @@ def forced_native(native: bool) -> Iterator[None]:
 
 def _widen(t: torch.Tensor) -> bool:
     return t.dtype == BF16 and t.device.type == "cpu" and not native_bf16()
-
-
-def _rows(width: int, n: int) -> int:
-    return min(n, max(64, CHUNK_BYTES // (4 * max(width, 1))))
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,7 +77,7 @@ def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
         # (small) b, its result rounded once into out's rows
         bf = b.float()
         biasf = None if bias is None else bias.float()
-        step = _rows(max(k, b.shape[1]), m)
+        step = workspace.chunk_rows(max(k, b.shape[1]), 4, m, CHUNK_BYTES)
         for r0 in range(0, m, step):
             r1 = min(m, r0 + step)
             z = out[r0:r1].float() if add else None
@@ -97,7 +94,7 @@ def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     acc = out.float() if add else torch.zeros(out.shape, dtype=torch.float32)
     if bias is not None:
         acc.add_(bias.float())
-    step = _rows(m + b.shape[1], k)
+    step = workspace.chunk_rows(m + b.shape[1], 4, k, CHUNK_BYTES)
     for c0 in range(0, k, step):
         c1 = min(k, c0 + step)
         acc.addmm_(a[:, c0:c1].float(), b[c0:c1].float())
