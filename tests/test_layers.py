@@ -7,6 +7,7 @@ import torch_geometric.nn as pyg
 from helpers import awkward_edge_index, awkward_graph
 from tessera import Graph
 from tessera.nn import GATConv, GCNConv, GINConv, SAGEConv, build_model
+from tessera.nn.mlp import MLP
 
 
 def mlp(i, o):
@@ -23,6 +24,9 @@ CASES = {
     "sage": lambda: (SAGEConv(16, 8), pyg.SAGEConv(16, 8)),
     "sage-wide": lambda: (SAGEConv(16, 40), pyg.SAGEConv(16, 40)),
     "gin": lambda: (GINConv(mlp(16, 8)), pyg.GINConv(mlp(16, 8))),
+    # tessera's MLP (what build_model uses): fused ReLU, and the second map's input gradient
+    # formed by the first map's node (tessera.sparse.deferred)
+    "gin-mlp": lambda: (GINConv(MLP(16, 32, 8)), pyg.GINConv(mlp(16, 8))),
     "gin-train-eps": lambda: (
         GINConv(mlp(16, 8), eps=0.3, train_eps=True),
         pyg.GINConv(mlp(16, 8), eps=0.3, train_eps=True),

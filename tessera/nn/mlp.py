@@ -29,7 +29,9 @@ class MLP(nn.Sequential):
     def run(self, x: torch.Tensor, epilogue: Epilogue | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``epilogue(self(x))`` with the ReLU and the epilogue each fused into the product before it."""
         first, last = self[0], self[2]
-        h = sparse.linear_act([x], [first.weight], first.bias, Epilogue("relu"), rows)
+        # only the second map reads h: its input-gradient product may be left to h's node
+        # (tessera.sparse.deferred), which forms it in row chunks, so no N x hidden block exists
+        h = sparse.linear_act([x], [first.weight], first.bias, Epilogue("relu", takes_owed=True), rows)
         return sparse.linear_act([h], [last.weight], last.bias, epilogue, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
