@@ -46,6 +46,36 @@ def test_a_fresh_output_is_chosen_only_when_clearly_faster_and_the_choice_is_kep
     assert gemm_path.gemm_path() == want
 
 
+ZEN = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: {model}
+model name\t: AMD EPYC
+flags\t\t: fpu sse2
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 99
+model name\t: AMD EPYC
+"""
+
+
+def test_cpus_that_share_a_name_get_their_own_decision(fresh, monkeypatch):
+    zen3, zen4 = (gemm_path.describe_cpu(ZEN.format(model=m).splitlines()) for m in (1, 17))
+    assert zen3 == "AuthenticAMD AMD EPYC family 25 model 1" and zen4 == "AuthenticAMD AMD EPYC family 25 model 17"
+    monkeypatch.setattr(gemm_path, "cpu_model", lambda: zen3)
+    monkeypatch.setattr(gemm_path, "measure", lambda: {"mkl": 1.0, "onednn_kept": 0.8, "onednn": 0.9})
+    assert gemm_path.gemm_path() == "onednn_kept"
+    # the other CPU, in another process, does not take the first one's decision from disk
+    monkeypatch.setattr(gemm_path, "_chosen", {})
+    monkeypatch.setattr(gemm_path, "cpu_model", lambda: zen4)
+    monkeypatch.setattr(gemm_path, "measure", lambda: {"mkl": 0.5, "onednn_kept": 0.8, "onednn": 0.9})
+    assert gemm_path.gemm_path() == "mkl"
+    assert sorted(json.loads((fresh / "gemm.json").read_text()).values()) == ["mkl", "onednn_kept"]
+    assert gemm_path.describe_cpu([]) == ""
+
+
 def test_intel_cpus_use_mkl_without_measuring(fresh, monkeypatch):
     monkeypatch.setattr(gemm_path, "cpu_model", lambda: "GenuineIntel Intel(R) Xeon(R) Processor")
     monkeypatch.setattr(gemm_path, "measure", lambda: pytest.fail("measured on Intel"))

@@ -17,7 +17,7 @@ oneDNN into a kept block was the fastest for every product of an arxiv GCN step 
 bench_dense.py``, ``benchmarks/RESULTS.md`` session 16). So elsewhere two products of a training
 step's size are timed all three ways once, fresh output included; a fresh output is taken only when
 it is clearly faster than the best kept one. The decision is kept on disk
-(``$TESSERA_CACHE/gemm.json``) per CPU model, torch version, thread count and preloaded allocator,
+(``$TESSERA_CACHE/gemm.json``) per CPU (vendor, name, family and model), torch version, thread count and preloaded allocator,
 so every process on the machine, every rank of a run included, uses the same library and gets the
 same arithmetic.
 """
@@ -30,7 +30,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -112,22 +112,30 @@ def kept_onednn_fits(a: torch.Tensor, w: torch.Tensor) -> bool:
 
 @functools.cache
 def cpu_model() -> str:
-    """The CPU's vendor and model name from ``/proc/cpuinfo`` (empty where there is none; read once:
-    every product asks for its path)."""
-    vendor = model = ""
+    """This CPU's :func:`describe_cpu` from ``/proc/cpuinfo`` (empty where there is none; read
+    once: every product asks for its path)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key.strip() == "model name" and not model:
-                    model = value.strip()
-                if vendor and model:
-                    break
+            return describe_cpu(f)
     except OSError:
-        pass
-    return f"{vendor} {model}".strip()
+        return ""
+
+
+def describe_cpu(cpuinfo: Iterable[str]) -> str:
+    """The first processor's vendor, model name, family and model number from ``/proc/cpuinfo``'s lines."""
+    # The name alone is not enough: "AMD EPYC" names both a Zen 3 (family 25, model 1, AVX2 only)
+    # and a Zen 4 (family 25, model 17, AVX-512), whose fastest GEMM paths differ.
+    wanted = {"vendor_id": "", "model name": "", "cpu family": "", "model": ""}
+    for line in cpuinfo:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in wanted and not wanted[key]:
+            wanted[key] = value.strip()
+        if all(wanted.values()):
+            break
+    name = f"{wanted['vendor_id']} {wanted['model name']}".strip()
+    numbers = f"family {wanted['cpu family']} model {wanted['model']}" if wanted["cpu family"] else ""
+    return f"{name} {numbers}".strip()
 
 
 def cache_file() -> Path:
