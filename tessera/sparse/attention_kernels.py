@@ -19,15 +19,13 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic, overload
 from torch.autograd.function import once_differentiable
 
 from tessera import workspace
 from tessera.graph.csr import CSRStructure, rows_of
 from tessera.memo import PlanCache
 from tessera.sparse.attention import edge_score, edge_softmax
+from tessera.sparse.vector_math import exp
 from tessera.threads import sync_numba_threads
 
 _CHUNK = 4096
@@ -82,47 +80,6 @@ def _plan(graph: CSRStructure, transposed: bool) -> _Plan:
     )
 
 
-# ---------------------------------------------------------------------------------- exp
-@intrinsic
-def _pow2_f32(typingctx, k):
-    """``2.0 ** k`` as float32 for an int32 ``k`` in [-126, 127], by building the exponent bits."""
-
-    def codegen(context, builder, sig, args):
-        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(32), 127)), ir.Constant(ir.IntType(32), 23))
-        return builder.bitcast(bits, ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-@numba.njit(fastmath=True, cache=True)
-def _exp_f32(x):
-    # Without Intel SVML numba calls libm's scalar expf: 40 ms for arxiv's 2.5M x 8 scores, 11 ms
-    # with this Cephes-style polynomial (2 ulp; 0 below exp's normal range), which vectorises.
-    x = min(x, np.float32(88.0))
-    t = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = x - t * np.float32(0.693359375) + t * np.float32(2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    y = (p * r * r + r + np.float32(1.0)) * _pow2_f32(np.int32(max(t, np.float32(-126.0))))
-    return y if x > np.float32(-87.33654) else np.float32(0.0)
-
-
-def _exp(x):
-    """exp; float32 uses the vectorisable polynomial, float64 keeps libm's exact exp."""
-    return np.exp(x)
-
-
-@overload(_exp, inline="always")
-def _exp_overload(x):
-    if x == types.float32:
-        return lambda x: _exp_f32(x)
-    return lambda x: np.exp(x)
-
-
 # ---------------------------------------------------------------------------------- row passes
 # Helpers take (2-D array, row) pairs rather than row views: LLVM vectorises explicit 2-D
 # indexing and keeps the accumulators in registers, about 2x faster when measured.
@@ -156,7 +113,7 @@ def _exp_sum(lo, hi, out, m, mr, s, sr):
         s[sr, h] = 0
     for e in range(lo, hi):
         for h in range(heads):
-            v = _exp(out[e, h] - m[mr, h])
+            v = exp(out[e, h] - m[mr, h])
             out[e, h] = v
             s[sr, h] += v
 

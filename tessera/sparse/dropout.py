@@ -21,6 +21,7 @@ from tessera import workspace
 from tessera.bfloat16 import BF16, as_numpy, narrow, widen
 from tessera.sparse.deferred import Owed, accept, owed_rows
 from tessera.sparse.hashing import hash32, index_hash
+from tessera.sparse.vector_math import expm1
 from tessera.threads import sync_numba_threads
 
 _BLOCK = 1 << 14
@@ -94,7 +95,7 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
                 a = src[c:stop]
                 for i in range(stop - c):
                     ai = widen(a[i])
-                    v = (ai if ai > z0 else np.expm1(ai)) * scale
+                    v = (ai if ai > z0 else expm1(ai)) * scale
                     o[i] = narrow(o, v if _element_hash(g + i, key) >= threshold else z0)
             elif mode == _RELU_DROP_GRAD:
                 a, y = src[c:stop], aux[c:stop]
