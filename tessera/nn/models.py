@@ -94,7 +94,11 @@ class GNN(nn.Module):
         for i, conv in enumerate(self.convs):
             if self.norms is not None:
                 x = self.norms[i](x)
-            if not dropped:
+            # a layer that starts with a linear map of its input applies the dropout inside it
+            # (sparse.dropout_linear: the same draw, no dropped-out copy of x kept for backward)
+            left = not dropped and not fuse and keep is None and conv.takes_input_dropout and self.training
+            p_in = self.dropout if left else 0.0
+            if not dropped and not left:
                 x = (
                     sparse.dropout(x, self.dropout, self.training, rows)
                     if keep is None
@@ -114,7 +118,7 @@ class GNN(nn.Module):
                 # nothing but the next layer reads x, and nothing asks for its gradient: the next
                 # layer's linear map may leave its input-gradient product to the epilogue's node
                 epilogue = Epilogue(self.activation, p, mask_only=not self.convs[i + 1].keeps_input(), takes_owed=True)
-            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue))
+            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue, p_in))
             if i < last and epilogue is None:
                 # as with the epilogue above, the next layer's linear map may leave its
                 # input-gradient product to this node

@@ -8,6 +8,7 @@ from tessera.sparse.attend import attend
 from tessera.sparse.attention import edge_keys, edge_score, edge_softmax
 from tessera.sparse.attention_kernels import gat_attention
 from tessera.sparse.dropout import act_dropout, dropout
+from tessera.sparse.dropout_linear import dropout_linear
 from tessera.sparse.linear import cast_like, linear, linear_add_, linear_split
 from tessera.sparse.linear_act import Epilogue, linear_act
 from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
@@ -27,6 +28,7 @@ __all__ = [
     "attend",
     "dropout",
     "dropout_aggregate",
+    "dropout_linear",
     "edge_keys",
     "edge_score",
     "edge_softmax",

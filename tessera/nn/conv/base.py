@@ -26,13 +26,17 @@ class LayerHints:
     a layer that aggregates its input first may aggregate it once and reuse the result (MixGCN
     Algorithm 2, line 1: the raw features are aggregated once). ``epilogue``: the activation and
     dropout the model applies to the output (only for layers that declare
-    :attr:`GraphConv.takes_epilogue`), which a layer ending in a dense transform fuses into it."""
+    :attr:`GraphConv.takes_epilogue`), which a layer ending in a dense transform fuses into it.
+    ``input_dropout``: the dropout probability the model leaves to the layer to apply to its input
+    (only for layers that declare :attr:`GraphConv.takes_input_dropout`; 0: none), keyed by
+    ``rows`` as :func:`tessera.sparse.dropout` keys it."""
 
     input_grad_mask: torch.Tensor | None = None
     output_mask: torch.Tensor | None = None
     rows: torch.Tensor | None = None
     constant_input: bool = False
     epilogue: Epilogue | None = None
+    input_dropout: float = 0.0
 
 
 class GraphConv(nn.Module):
@@ -44,6 +48,9 @@ class GraphConv(nn.Module):
     #: whether ``forward`` applies :attr:`LayerHints.epilogue` itself (else the model applies the
     #: activation and dropout to the output)
     takes_epilogue: ClassVar[bool] = False
+    #: whether ``forward`` applies :attr:`LayerHints.input_dropout` itself (a layer that starts
+    #: with a linear map of its input fuses the dropout into it: :func:`tessera.sparse.dropout_linear`)
+    takes_input_dropout: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:

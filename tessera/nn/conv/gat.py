@@ -21,6 +21,8 @@ class GATConv(GraphConv):
     """Multi-head attention ``x'_i = sum_j alpha_ij W x_j`` with
     ``alpha_ij = softmax_j(LeakyReLU(a_src . W x_j + a_dst . W x_i))`` (PyG ``GATConv``)."""
 
+    takes_input_dropout = True
+
     def __init__(
         self,
         in_channels: int,
@@ -56,13 +58,18 @@ class GATConv(GraphConv):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
-        """Apply attention to node features ``x`` of shape ``(N, in_channels)``. Of the ``hints``
-        only ``rows`` applies: attention dropout is keyed by the global ids of each edge's ends."""
+        """Apply attention to node features ``x`` of shape ``(N, in_channels)``. Of the ``hints``,
+        ``rows`` keys attention dropout by the global ids of each edge's ends, and
+        ``input_dropout`` is applied to ``x`` inside the projection."""
         # PyG removes then re-adds self loops; edge weights play no part in GAT.
         a = as_operand(graph, self.backend)
         a = a.with_self_loops() if self.add_self_loops else a.pattern()
         n, heads, width = x.shape[0], self.heads, self.out_channels
-        flat = self.lin(x)
+        p_in = hints.input_dropout if hints is not None else 0.0
+        if p_in > 0.0:
+            flat = sparse.dropout_linear(x, self.lin.weight, self.lin.bias, p_in, True, hints.rows)
+        else:
+            flat = self.lin(x)
         h = flat.view(n, heads, width)
         # Both ends' attention terms as one product with a block-diagonal (2 heads, heads x width)
         # matrix: no (N, heads, width) temporaries, and the input gradient lands in one block.
