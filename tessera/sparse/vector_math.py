@@ -15,26 +15,25 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 
-@intrinsic
-def _pow2_f32(typingctx, k):
-    """``2.0 ** k`` as float32 for an int32 ``k`` in [-126, 127], by building the exponent bits."""
+def _pow2_intrinsic(int_type: types.Integer, float_type: types.Float, mantissa_bits: int, bias: int):
+    """An intrinsic ``2.0 ** k`` for an integer ``k`` in the float type's normal exponent range,
+    by writing ``k + bias`` into the exponent bits."""
+    ir_int = ir.IntType(int_type.bitwidth)
+    ir_float = ir.FloatType() if float_type.bitwidth == 32 else ir.DoubleType()
 
-    def codegen(context, builder, sig, args):
-        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(32), 127)), ir.Constant(ir.IntType(32), 23))
-        return builder.bitcast(bits, ir.FloatType())
+    @intrinsic
+    def pow2(typingctx, k):
+        def codegen(context, builder, sig, args):
+            bits = builder.shl(builder.add(args[0], ir.Constant(ir_int, bias)), ir.Constant(ir_int, mantissa_bits))
+            return builder.bitcast(bits, ir_float)
 
-    return types.float32(types.int32), codegen
+        return float_type(int_type), codegen
+
+    return pow2
 
 
-@intrinsic
-def _pow2_f64(typingctx, k):
-    """``2.0 ** k`` as float64 for an int64 ``k`` in [-1022, 1023], by building the exponent bits."""
-
-    def codegen(context, builder, sig, args):
-        bits = builder.shl(builder.add(args[0], ir.Constant(ir.IntType(64), 1023)), ir.Constant(ir.IntType(64), 52))
-        return builder.bitcast(bits, ir.DoubleType())
-
-    return types.float64(types.int64), codegen
+_pow2_f32 = _pow2_intrinsic(types.int32, types.float32, 23, 127)  # k in [-126, 127]
+_pow2_f64 = _pow2_intrinsic(types.int64, types.float64, 52, 1023)  # k in [-1022, 1023]
 
 
 @numba.njit(fastmath=True, cache=True)
