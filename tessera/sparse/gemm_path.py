@@ -17,9 +17,9 @@ oneDNN into a kept block was the fastest for every product of an arxiv GCN step 
 bench_dense.py``, ``benchmarks/RESULTS.md`` session 16). So elsewhere two products of a training
 step's size are timed all three ways once, fresh output included; a fresh output is taken only when
 it is clearly faster than the best kept one. The decision is kept on disk
-(``$TESSERA_CACHE/gemm.json``) per CPU (vendor, name, family and model), torch version, thread count and preloaded allocator,
-so every process on the machine, every rank of a run included, uses the same library and gets the
-same arithmetic.
+(``$TESSERA_CACHE/gemm.json``) per CPU (vendor, name, family and model), torch version, thread
+count and preloaded allocator, so every process on the machine, every rank of a run included, uses
+the same library and gets the same arithmetic.
 """
 
 from __future__ import annotations
