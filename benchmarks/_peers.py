@@ -24,6 +24,7 @@ Imports are local to each builder: a child only imports the framework it runs.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,14 @@ from torch import nn
 FRAMEWORKS = ("tessera", "pyg-edge_index", "pyg-csr", "dgl")
 MODELS = ("gcn", "sage", "gin", "gat")
 
-Built = tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], dict[str, Any]]
+# (module, forward(module, x, train_idx) -> (logits, rows of the logits the loss reads), info)
+Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+Built = tuple[nn.Module, Forward, dict[str, Any]]
+
+
+def every_row(forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> Forward:
+    """A framework's forward over every vertex, whose loss then picks the training rows."""
+    return lambda mod, x, idx: (forward(mod, x), idx)
 
 
 class Stack(nn.Module):
@@ -123,17 +131,25 @@ def build_tessera(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any
                 if key in arrays:
                     arrays[key] = arrays[key][perm]
             info["vertex_order"] = method
+    # as ``tessera train`` steps: only the training vertices' logits (a tree from before the model
+    # took ``targets`` computes every vertex's, and its loss picks the training rows)
+    targeted = "targets" in inspect.signature(type(m).forward).parameters
+    info["logits"] = "training rows" if targeted else "every row"
     if cfg.get("precision", "fp32") == "fp32":
-        return m, lambda mod, x: mod(x, g), info
+        if targeted:
+            return m, lambda mod, x, idx: (mod(x, g, targets=idx), None), info
+        return m, every_row(lambda mod, x: mod(x, g)), info
     # ``tessera train --precision bf16``: the features stored in bfloat16 once (the float32
     # array the child loaded stays alive beside them), float32 weights
     info["precision"] = cfg["precision"]
     stored: list[torch.Tensor] = []
 
-    def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward(mod: nn.Module, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not stored or stored[0] is not x:
             stored[:] = [x, x.to(torch.bfloat16)]
-        return mod(stored[1], g)
+        if targeted:
+            return mod(stored[1], g, targets=idx), None
+        return mod(stored[1], g), idx
 
     return m, forward, info
 
@@ -171,7 +187,7 @@ def build_pyg(
             out = b if last else cfg["hidden"] // cfg["heads"]
             convs.append(pyg.GATConv(a, out, heads=heads, concat=not last, dropout=cfg["dropout"]))
     net = Stack(convs, cfg["dropout"], "elu" if model == "gat" else "relu", lambda conv, x: conv(x, adj))
-    return net, lambda mod, x: mod(x), info
+    return net, every_row(lambda mod, x: mod(x)), info
 
 
 # ---------------------------------------------------------------------------------- DGL
@@ -214,7 +230,7 @@ def build_dgl(model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], c
             convs.append(_DglGAT(conv, concat=not last))
     net = Stack(convs, cfg["dropout"], "elu" if model == "gat" else "relu", lambda conv, x: conv(g, x))
     info = {"dgl_edges": int(g.num_edges()), "dgl_threads": _dgl_threads()}
-    return net, lambda mod, x: mod(x), info
+    return net, every_row(lambda mod, x: mod(x)), info
 
 
 def _dgl_threads() -> int | None:
@@ -229,7 +245,7 @@ def _dgl_threads() -> int | None:
 def build(
     framework: str, model: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], cfg: dict[str, Any]
 ) -> Built:
-    """``(module, forward(module, x) -> logits, info)`` for one framework and model."""
+    """``(module, forward(module, x, train_idx) -> (logits, rows), info)`` for one framework and model."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     if framework == "tessera":
@@ -279,9 +295,10 @@ def versions(framework: str) -> dict[str, str]:
 
 
 def train_loss(framework: str):
-    """``loss(logits, train_idx, y)``: the mean cross entropy on the training vertices, written as
-    that framework's users write it: ``F.cross_entropy(logits[idx], y[idx])`` for PyG and DGL,
-    ``tessera.nn.loss.cross_entropy_rows`` (what ``tessera train`` runs) for tessera."""
+    """``loss(logits, rows, target)``: the mean cross entropy of ``logits[rows]`` (``rows`` None:
+    every row) against the training labels, written as that framework's users write it:
+    ``F.cross_entropy(logits[idx], y[idx])`` for PyG and DGL, ``tessera.nn.loss.cross_entropy_rows``
+    (what ``tessera train`` runs) for tessera."""
     import torch.nn.functional as F
 
     if framework == "tessera" or framework.startswith("tessera@"):
@@ -290,5 +307,5 @@ def train_loss(framework: str):
         except ImportError:  # a tessera tree from before it existed
             cross_entropy_rows = None
         if cross_entropy_rows is not None:
-            return lambda logits, idx, y: cross_entropy_rows(logits, idx, y[idx]) / max(idx.numel(), 1)
-    return lambda logits, idx, y: F.cross_entropy(logits[idx], y[idx])
+            return lambda logits, rows, target: cross_entropy_rows(logits, rows, target) / max(target.numel(), 1)
+    return lambda logits, rows, target: F.cross_entropy(logits if rows is None else logits[rows], target)

@@ -3,10 +3,13 @@
 Every (graph, model, framework, allocator) runs in its own child process, under a memory cap
 and a timeout, on the identical graph (generated once by tessera, handed to every child as
 ``.npy`` files; see ``_graphdata.py``). A child times ``--warmup + --epochs`` training steps
-(zero_grad, forward over all vertices, mean cross entropy on the train vertices written as each
-framework's users write it (``_peers.train_loss``), backward, Adam step with lr 0.01 and weight
-decay 5e-4; dropout 0.5) and reports the per-epoch times and its peak
+(zero_grad, forward, mean cross entropy on the train vertices written as each framework's users
+write it (``_peers.train_loss``), backward, Adam step with lr 0.01 and weight decay 5e-4; dropout
+0.5) and reports the per-epoch times and its peak
 RSS. Frameworks run interleaved per model and repeat, so machine noise hits all of them alike.
+PyG and DGL compute every vertex's logits and pick the training rows; tessera's step asks its
+model for the training rows' logits only (``targets``, as ``tessera train`` does), so a last
+layer that can computes no others; the losses and gradients are the same.
 
 Each framework runs under the process's default allocator (``default``: glibc's malloc, what a
 user of the README's commands gets) and jemalloc with decay disabled (``jemalloc``, via

@@ -10,9 +10,10 @@ import torch
 from tessera.backends import select
 from tessera.backends.base import Backend, available_backends, check_backend, get_backend
 from tessera.backends.relational import choose_variant
+from tessera.digest import digest
 from tessera.errors import ConfigError
 from tessera.graph import Graph
-from tessera.graph.csr import CSRStructure
+from tessera.graph.csr import CSRMatrix, CSRStructure, select_rows
 from tessera.graph.relations import edge_types
 from tessera.memo import PlanCache
 from tessera.sparse.operand import Operand
@@ -23,12 +24,33 @@ _derived = PlanCache()  # per graph: the normalised / self-looped graphs its var
 
 
 class LocalOperand(Operand):
-    """``matrix`` with ``values`` (``None``: all ones), computed on ``backend``."""
+    """``matrix`` with ``values`` (``None``: all ones), computed on ``backend``; ``row_vertices``
+    when its rows are a selection of a graph's (:meth:`rows_of`)."""
 
     edge_values = True
 
-    def __init__(self, matrix: CSRStructure, backend: str = "auto", values: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        matrix: CSRStructure,
+        backend: str = "auto",
+        values: torch.Tensor | None = None,
+        row_vertices: torch.Tensor | None = None,
+    ) -> None:
         self.matrix, self.backend, self.values = matrix, check_backend(backend), values
+        self._row_vertices = row_vertices
+
+    @property
+    def row_vertices(self) -> torch.Tensor | None:
+        return self._row_vertices
+
+    def rows_of(self, ids: torch.Tensor) -> LocalOperand | None:
+        if self._row_vertices is not None:
+            return None
+        m = self.matrix
+        # the same ids every step (a training split): the rows' CSR is cut once per graph and ids
+        sub, positions = _derived.get(m, ("rows", digest("rows", [ids])), lambda: _select(m, ids))
+        values = None if self.values is None else self.values[positions]
+        return LocalOperand(sub, self.backend, values, ids)
 
     @property
     def num_rows(self) -> int:
@@ -124,6 +146,11 @@ class LocalOperand(Operand):
             lambda m: m.replace(edge_weight=None, edge_type=None, num_relations=None).add_self_loops(),
         )
         return LocalOperand(g, self.backend)
+
+
+def _select(m: CSRStructure, ids: torch.Tensor) -> tuple[CSRMatrix, torch.Tensor]:
+    indptr, positions = select_rows(m.indptr, ids)
+    return CSRMatrix(indptr, m.indices[positions], None, int(ids.numel()), m.num_cols), positions
 
 
 def local_operand(matrix: CSRStructure, backend: str = "auto") -> LocalOperand:

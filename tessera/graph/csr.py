@@ -26,6 +26,19 @@ def rows_of(indptr: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
 
 
+def select_rows(indptr: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row pointers of the CSR made of rows ``ids`` (in that order) and, per entry of it, the
+    position of that entry in the original CSR (int64)."""
+    starts = indptr[ids].to(torch.int64)
+    counts = indptr[ids + 1].to(torch.int64) - starts
+    new_indptr = torch.zeros(ids.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=new_indptr[1:])
+    # entry k of selected row r sits at starts[r] + (k - new_indptr[r]) in the original
+    offsets = torch.repeat_interleave(starts - new_indptr[:-1], counts, output_size=int(new_indptr[-1]))
+    positions = offsets.add_(torch.arange(offsets.numel(), dtype=torch.int64))
+    return new_indptr.to(indptr.dtype), positions
+
+
 class TransposedCSR:
     """Column-major CSR of a matrix: ``indices[indptr[j]:indptr[j+1]]`` are the rows with an entry
     in column ``j`` and ``perm`` maps each transposed position to its entry id in the row-major CSR.

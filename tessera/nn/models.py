@@ -14,6 +14,7 @@ from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.mlp import MLP
 from tessera.sparse import Epilogue, GraphOperand, LayerSpec
 from tessera.sparse.dropout import dropout_mask, dropout_with_mask
+from tessera.sparse.rows import take_rows
 
 
 class GNN(nn.Module):
@@ -63,12 +64,17 @@ class GNN(nn.Module):
         label_rows: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for every vertex from features ``x``; ``graph`` is one operand for every layer or
         a sequence of one per layer (a strategy may give each layer its own). With label
         propagation the embedded ``labels`` are added to the input features of ``label_rows``.
         ``rows`` are the global vertex ids of ``x``'s rows (None: their positions): dropout masks
-        are keyed by them, so every split and order of the vertices draws the same masks."""
+        are keyed by them, so every split and order of the vertices draws the same masks.
+        ``targets`` (distinct int64 positions of ``x``'s rows) asks for only those vertices'
+        logits, ``self(x, graph)[targets]`` with the same value and gradients: a training step
+        whose loss reads the training vertices only. The last layer then computes only those
+        rows where it can (:attr:`GraphConv.takes_targets`)."""
         operands = list(graph) if isinstance(graph, Sequence) else [graph] * len(self.convs)
         if len(operands) != len(self.convs):
             raise ValueError(f"{len(operands)} operands for {len(self.convs)} layers")
@@ -118,11 +124,14 @@ class GNN(nn.Module):
                 # nothing but the next layer reads x, and nothing asks for its gradient: the next
                 # layer's linear map may leave its input-gradient product to the epilogue's node
                 epilogue = Epilogue(self.activation, p, mask_only=not self.convs[i + 1].keeps_input(), takes_owed=True)
-            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue, p_in))
+            own = targets if i == last and conv.takes_targets else None
+            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue, p_in, own))
             if i < last and epilogue is None:
                 # as with the epilogue above, the next layer's linear map may leave its
                 # input-gradient product to this node
                 x = sparse.act_dropout(x, self.activation, p, self.training, rows, takes_owed=True)
+        if targets is not None and not self.convs[last].takes_targets:
+            x = take_rows(x, targets)
         return x
 
 

@@ -59,8 +59,9 @@ class AggregateFn(torch.autograd.Function):
             out = scale_rows(product, row_scale, out=product)  # in place on the fresh product
         else:
             out = a.masked_spmm(x, out_mask, weight, row_scale, False)
+        own = a.row_vertices
         if self_weight:
-            out.add_(x, alpha=self_weight)
+            out.add_(x if own is None else x[own], alpha=self_weight)
         ctx.a, ctx.row_scale, ctx.out_mask, ctx.grad_mask = a, row_scale, out_mask, grad_mask
         ctx.self_weight = self_weight
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)
@@ -81,7 +82,11 @@ class AggregateFn(torch.autograd.Function):
         elif ctx.needs_input_grad[0]:
             gx = a.spmm_t(g, weight)
         if gx is not None and ctx.self_weight:
-            gx.add_(g_out, alpha=ctx.self_weight)
+            own = a.row_vertices
+            if own is None:
+                gx.add_(g_out, alpha=ctx.self_weight)
+            else:  # distinct rows: each adds into its own vertex's row
+                gx.index_add_(0, own, g_out, alpha=ctx.self_weight)
         gw = a.sddmm_dot(g, x) if ctx.needs_input_grad[1] else None
         return gx, gw, None, None, None, None, None
 
@@ -106,8 +111,9 @@ def aggregate(
     gradient that the mask keeps are computed, the rest are zero. Pass it when an element-wise
     op whose backward zeroes those entries anyway produced ``x`` (ReLU then dropout: ``x != 0``).
 
-    ``self_weight`` adds ``self_weight * x`` (GIN's ``(1 + eps) x``), which needs as many output
-    rows as input rows."""
+    ``self_weight`` adds ``self_weight * x`` (GIN's ``(1 + eps) x``): each output row's own
+    vertex's input row (the operand's :attr:`~tessera.sparse.Operand.row_vertices`, else the row
+    of the same position, which needs as many output rows as input rows)."""
     check_reduce(reduce)
     a = as_operand(operand, backend)
     if x.shape[0] != a.num_cols:
@@ -120,7 +126,7 @@ def aggregate(
         raise ValueError(
             f"grad_mask must be bool with x's shape {tuple(x.shape)}, got {grad_mask.dtype} {tuple(grad_mask.shape)}"
         )
-    if self_weight and a.num_rows != a.num_cols:
+    if self_weight and a.row_vertices is None and a.num_rows != a.num_cols:
         raise ValueError(f"self_weight needs as many output rows as input rows, got {a.num_rows} and {a.num_cols}")
     row_scale = inv_in_degree(a, x.dtype) if reduce == "mean" else None
     return AggregateFn.apply(x, weight, a, row_scale, None, grad_mask, float(self_weight))

@@ -118,6 +118,19 @@ class Operand(ABC):
         operand's rows (what per-edge random draws are keyed by)."""
         return rows, rows
 
+    @property
+    def row_vertices(self) -> torch.Tensor | None:
+        """The input row (column) each output row is the vertex of, where the rows are a selection
+        (:meth:`rows_of`); None where output row ``i`` is input row ``i``'s vertex."""
+        return None
+
+    def rows_of(self, ids: torch.Tensor) -> Operand | None:
+        """This operand with only the output rows ``ids`` (distinct, int64, in that order), whose
+        products cost only those rows' edges: a model whose loss reads some vertices' outputs asks
+        its last layer for only those. None where this operand cannot (the caller then selects the
+        rows of the whole product)."""
+        return None
+
     def masked_spmm(
         self,
         x: torch.Tensor,

@@ -104,7 +104,7 @@ class Trainer:
         return self._fingerprint
 
     def train_step(self) -> float:
-        """Forward over all vertices, loss on the train split, backward, Adam step; returns the loss."""
+        """Forward, loss on the train split, backward, Adam step; returns the loss."""
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         tr, rows, n_loss = self.idx["train"], None, self.counts["train"]
@@ -118,10 +118,11 @@ class Trainer:
             n_loss = int(self.comm.all_reduce_sum(torch.tensor([tr.numel()]))[0])
         if self.log is not None:
             self.log.start_forward("train")
-        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids)
+        # only the logits of the vertices in the loss: the last layer computes no others
+        logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids, tr)
         # The sum over this rank's training vertices divided by the global count: summed over ranks
         # it is exactly the single-process mean loss, and so are the all-reduced gradients.
-        loss = cross_entropy_rows(logits, tr, self.y[tr]) / max(n_loss, 1)
+        loss = cross_entropy_rows(logits, None, self.y[tr]) / max(n_loss, 1)
         loss.backward()
         if self.comm.world > 1:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]

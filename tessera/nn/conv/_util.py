@@ -11,6 +11,7 @@ import torch
 from tessera import sparse
 from tessera.nn.conv.base import LayerHints
 from tessera.sparse import LayerSpec, Operand
+from tessera.sparse.rows import take_rows
 
 
 def glorot_(t: torch.Tensor) -> torch.Tensor:
@@ -65,13 +66,16 @@ def linear_then_aggregate(
 ) -> torch.Tensor:
     """``A (x W^T)`` or ``(A x) W^T``, whichever aggregates the narrower matrix unless
     ``aggregate_first`` fixes the order (same result; WiseGraph's indexing swap and operation
-    placement). ``lin`` must have no bias; callers add it after aggregation. Of the S-SpMM
+    placement), of only the rows of ``hints.targets`` when given. ``lin`` must have no bias;
+    callers add it after aggregation. Of the S-SpMM
     ``hints``, the side that aggregates uses its own (see :class:`LayerHints`). ``constant`` (the
     layer's memo and the graph operand it was called with): with ``hints.constant_input``, ``A x``
     is computed once."""
     hints = hints or LayerHints()
     if aggregates_output(lin, aggregate_first):
         xw = lin(x)
+        if hints.targets is not None:
+            return target_aggregate(a, xw, reduce, hints.targets)
         if hints.output_mask is not None:
             return sparse.masked_aggregate(a, xw, hints.output_mask, reduce)
         return sparse.aggregate(a, xw, reduce)
@@ -86,17 +90,30 @@ def input_aggregate(
     constant: tuple[InputAggregate, object] | None = None,
 ) -> torch.Tensor:
     """``A x`` for a layer that aggregates its input first: once, with ``hints.constant_input``
-    and the layer's ``constant`` memo; with the S-SpMM input-gradient mask of the ``hints``."""
+    and the layer's ``constant`` memo; with the S-SpMM input-gradient mask of the ``hints``; only
+    the rows of ``hints.targets`` when given."""
     if hints.constant_input and constant is not None:
         memo, graph = constant
-        return memo(graph, x, lambda: sparse.aggregate(a, x, reduce))
+        out = memo(graph, x, lambda: sparse.aggregate(a, x, reduce))
+        return out if hints.targets is None else take_rows(out, hints.targets)
+    if hints.targets is not None:
+        return target_aggregate(a, x, reduce, hints.targets)
     return sparse.aggregate(a, x, reduce, grad_mask=hints.input_grad_mask)
+
+
+def target_aggregate(a: Operand, x: torch.Tensor, reduce: str, targets: torch.Tensor, self_weight: float = 0.0):
+    """``aggregate(a, x, reduce, self_weight=...)[targets]``, over only the targets' in-edges where
+    the operand can give their rows (:meth:`~tessera.sparse.Operand.rows_of`)."""
+    sub = a.rows_of(targets)
+    if sub is None:
+        return take_rows(sparse.aggregate(a, x, reduce, self_weight=self_weight), targets)
+    return sparse.aggregate(sub, x, reduce, self_weight=self_weight)
 
 
 def finish(out: torch.Tensor, hints: LayerHints) -> torch.Tensor:
     """A layer's output with the ``hints``' epilogue (activation, dropout) applied, if any."""
     ep = hints.epilogue
-    return out if ep is None else sparse.act_dropout(out, ep.act, ep.p, True, hints.rows)
+    return out if ep is None else sparse.act_dropout(out, ep.act, ep.p, True, hints.output_rows())
 
 
 def aggregates_output(lin: torch.nn.Linear, aggregate_first: bool | None = None) -> bool:

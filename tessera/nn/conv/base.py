@@ -29,7 +29,10 @@ class LayerHints:
     :attr:`GraphConv.takes_epilogue`), which a layer ending in a dense transform fuses into it.
     ``input_dropout``: the dropout probability the model leaves to the layer to apply to its input
     (only for layers that declare :attr:`GraphConv.takes_input_dropout`; 0: none), keyed by
-    ``rows`` as :func:`tessera.sparse.dropout` keys it."""
+    ``rows`` as :func:`tessera.sparse.dropout` keys it. ``targets``: the rows of the output the
+    caller reads (distinct int64 positions; only for layers that declare
+    :attr:`GraphConv.takes_targets`, which then return ``out[targets]`` having computed only
+    those rows; None: every row)."""
 
     input_grad_mask: torch.Tensor | None = None
     output_mask: torch.Tensor | None = None
@@ -37,6 +40,14 @@ class LayerHints:
     constant_input: bool = False
     epilogue: Epilogue | None = None
     input_dropout: float = 0.0
+    targets: torch.Tensor | None = None
+
+    def output_rows(self) -> torch.Tensor | None:
+        """The global vertex ids of the output's rows (which key the epilogue's draws): ``rows``,
+        or of those the ``targets`` pick."""
+        if self.targets is None:
+            return self.rows
+        return self.targets if self.rows is None else self.rows[self.targets]
 
 
 class GraphConv(nn.Module):
@@ -51,6 +62,9 @@ class GraphConv(nn.Module):
     #: whether ``forward`` applies :attr:`LayerHints.input_dropout` itself (a layer that starts
     #: with a linear map of its input fuses the dropout into it: :func:`tessera.sparse.dropout_linear`)
     takes_input_dropout: ClassVar[bool] = False
+    #: whether ``forward`` computes only :attr:`LayerHints.targets`' rows itself (else the model
+    #: selects them from the whole output)
+    takes_targets: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ class GCNConv(GraphConv):
     refused, as in PyG."""
 
     takes_epilogue = True
+    takes_targets = True
 
     def __init__(
         self, in_channels: int, out_channels: int, improved: bool = False, add_self_loops: bool | None = None,
@@ -69,7 +70,7 @@ class GCNConv(GraphConv):
             out = linear_then_aggregate(a, x, self.lin, "sum", hints, self.aggregate_first)
             return finish(add_bias_(out, self.bias), hints)
         agg = input_aggregate(a, x, "sum", hints, (self._input_aggregate, graph))
-        return sparse.linear_act([agg], [self.lin.weight], self.bias, hints.epilogue, hints.rows)
+        return sparse.linear_act([agg], [self.lin.weight], self.bias, hints.epilogue, hints.output_rows())
 
     def describe(self) -> LayerSpec:
         return linear_spec(self.lin, self.aggregate_first)

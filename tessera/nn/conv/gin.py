@@ -5,16 +5,18 @@ from __future__ import annotations
 import torch
 
 from tessera import sparse
-from tessera.nn.conv._util import InputAggregate, finish
+from tessera.nn.conv._util import InputAggregate, finish, target_aggregate
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.mlp import MLP
-from tessera.sparse import GraphOperand, LayerSpec, as_operand
+from tessera.sparse import GraphOperand, LayerSpec, Operand, as_operand
+from tessera.sparse.rows import take_rows
 
 
 class GINConv(GraphConv):
     """``x'_i = nn((1 + eps) x_i + sum_{j in N(i)} x_j)`` (PyG ``GINConv``)."""
 
     takes_epilogue = True
+    takes_targets = True
 
     def __init__(self, nn: torch.nn.Module, eps: float = 0.0, train_eps: bool = False, backend: str = "auto") -> None:
         super().__init__()
@@ -36,7 +38,10 @@ class GINConv(GraphConv):
         """Apply the convolution to node features ``x`` (of the hints, ``input_grad_mask``)."""
         hints = hints or LayerHints()
         a = as_operand(graph, self.backend).pattern()
-        if hints.constant_input:
+        if hints.targets is not None:
+            # only the target rows are aggregated and go through the MLP
+            h = self._target_rows(a, x, hints.targets)
+        elif hints.constant_input:
             out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
             h = out + sparse.cast_like(x, 1 + self.eps) * x  # not in place: the aggregate is kept
         elif isinstance(self.eps, torch.nn.Parameter):
@@ -45,8 +50,14 @@ class GINConv(GraphConv):
         else:  # the root term inside the aggregation, in place both ways: no N x F temporaries
             h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask, self_weight=1.0 + float(self.eps))
         if isinstance(self.nn, MLP):
-            return self.nn.run(h, hints.epilogue, hints.rows)
+            return self.nn.run(h, hints.epilogue, hints.output_rows())
         return finish(self.nn(h), hints)
+
+    def _target_rows(self, a: Operand, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``((1 + eps) x + A x)[targets]``, over the targets' in-edges only where the operand can."""
+        if isinstance(self.eps, torch.nn.Parameter):
+            return target_aggregate(a, x, "sum", targets) + sparse.cast_like(x, 1 + self.eps) * take_rows(x, targets)
+        return target_aggregate(a, x, "sum", targets, self_weight=1.0 + float(self.eps))
 
     def describe(self) -> LayerSpec:
         linears = [m for m in self.nn.modules() if isinstance(m, torch.nn.Linear)]

@@ -15,16 +15,19 @@ from tessera.nn.conv._util import (
     input_aggregate,
     linear_spec,
     linear_then_aggregate,
+    target_aggregate,
 )
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
+from tessera.sparse.rows import take_rows
 
 
 class SAGEConv(GraphConv):
     """``x'_i = W_l * reduce_{j in N(i)} x_j + b + W_r x_i`` (PyG ``SAGEConv``)."""
 
     takes_epilogue = True
+    takes_targets = True
 
     def __init__(
         self,
@@ -53,27 +56,32 @@ class SAGEConv(GraphConv):
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         hints = hints or LayerHints()
         a = as_operand(graph, self.backend).pattern()
+        targets = hints.targets
         if not self.normalize and not aggregates_output(self.lin_l, self.aggregate_first):
             # (A x) W_l^T + b + x W_r^T, the activation and dropout after it: one fused node
             agg = input_aggregate(a, x, self.aggr, hints, (self._input_aggregate, graph))
             xs, ws = (
-                ([agg, x], [self.lin_l.weight, self.lin_r.weight])
+                ([agg, _rows(x, targets)], [self.lin_l.weight, self.lin_r.weight])
                 if self.lin_r is not None
                 else ([agg], [self.lin_l.weight])
             )
-            return sparse.linear_act(xs, ws, self.lin_l.bias, hints.epilogue, hints.rows)
+            return sparse.linear_act(xs, ws, self.lin_l.bias, hints.epilogue, hints.output_rows())
         if self.lin_r is not None and hints.output_mask is None and aggregates_output(self.lin_l, self.aggregate_first):
             # x W_l^T and x W_r^T as one product: x is read once each way, and its gradient is
             # one product instead of two added in another N x F pass
             xl, xr = sparse.linear_split(x, [self.lin_l.weight, self.lin_r.weight])
-            out = add_bias_(sparse.aggregate(a, xl.contiguous(), self.aggr), self.lin_l.bias).add_(xr)
+            if targets is None:
+                out = sparse.aggregate(a, xl.contiguous(), self.aggr)
+            else:
+                out, xr = target_aggregate(a, xl.contiguous(), self.aggr, targets), take_rows(xr, targets)
+            out = add_bias_(out, self.lin_l.bias).add_(xr)
         else:
             out = linear_then_aggregate(
                 a, x, _WeightOnly(self.lin_l), self.aggr, hints, self.aggregate_first, (self._input_aggregate, graph)
             )
             out = add_bias_(out, self.lin_l.bias)
             if self.lin_r is not None:
-                out = sparse.linear_add_(out, x, self.lin_r.weight)
+                out = sparse.linear_add_(out, _rows(x, targets), self.lin_r.weight)
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return finish(out, hints)
@@ -91,6 +99,11 @@ class SAGEConv(GraphConv):
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, aggr={self.aggr}"
+
+
+def _rows(x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """The rows of ``x`` the root term reads: the targets' only, when only those are asked for."""
+    return x if targets is None else take_rows(x, targets)
 
 
 class _WeightOnly(nn.Module):
