@@ -148,3 +148,15 @@ def test_gin_aggregates_only_the_target_rows(monkeypatch):
     out = conv(g.x, g, LayerHints(targets=targets))
     assert seen == [3]
     torch.testing.assert_close(out, conv(g.x, g)[targets], rtol=1e-6, atol=1e-6)
+
+
+def test_the_rows_of_a_graph_are_fingerprinted_by_the_graph_and_the_rows():
+    # measured kernel choices for the rows' CSR are then kept on disk, as the graph's are
+    g = awkward_graph(n=50, e=300)
+    a, b = torch.tensor([1, 4, 9]), torch.tensor([1, 4, 10])
+    fa = as_operand(g).rows_of(a).matrix.fingerprint()
+    assert fa is not None and fa != g.fingerprint()
+    assert fa == as_operand(awkward_graph(n=50, e=300)).rows_of(a.clone()).matrix.fingerprint()
+    assert as_operand(g).rows_of(b).matrix.fingerprint() not in (None, fa)
+    other = awkward_graph(n=50, e=300, seed=1)
+    assert as_operand(other).rows_of(a).matrix.fingerprint() != fa

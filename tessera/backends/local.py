@@ -150,7 +150,9 @@ class LocalOperand(Operand):
 
 def _select(m: CSRStructure, ids: torch.Tensor) -> tuple[CSRMatrix, torch.Tensor]:
     indptr, positions = select_rows(m.indptr, ids)
-    return CSRMatrix(indptr, m.indices[positions], None, int(ids.numel()), m.num_cols), positions
+    fp = m.fingerprint()
+    key = None if fp is None else digest(f"rows of {fp}", [ids])
+    return CSRMatrix(indptr, m.indices[positions], None, int(ids.numel()), m.num_cols, key=key), positions
 
 
 def local_operand(matrix: CSRStructure, backend: str = "auto") -> LocalOperand:

@@ -159,6 +159,12 @@ class CSRMatrix(CSRStructure):
     edge_type: torch.Tensor | None = None
     num_relations: int | None = None
     relation_degree: torch.Tensor | None = None
+    #: what :meth:`fingerprint` returns: set for a matrix derived from a fingerprinted graph (the
+    #: rows of a training split), so its measured kernel choices are kept on disk as the graph's are
+    key: str | None = None
+
+    def fingerprint(self) -> str | None:
+        return self.key
 
     @classmethod
     def from_numpy(
