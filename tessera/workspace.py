@@ -95,10 +95,26 @@ class Workspace:
         for block in blocks:
             if _free(block):
                 return _tensor(block, shape, dtype)
+        spare = self._spare(nbytes, dtype)
+        if spare is not None:
+            return _tensor(spare[:numel], shape, dtype)
         block = _new_block(numel, _NUMPY[dtype])
         blocks.append(block)
         self._starts.add(block.ctypes.data)
         return _tensor(block, shape, dtype)
+
+    def _spare(self, nbytes: int, dtype: torch.dtype) -> np.ndarray | None:
+        """The smallest free block of ``dtype`` larger than ``nbytes`` but at most twice it, or None:
+        a step that asks for some rows of a full-graph tensor (a training split's) takes blocks
+        whose pages are mapped already instead of holding blocks of one more size."""
+        best = None
+        for (size, dt), blocks in self._blocks.items():
+            if dt != dtype or not nbytes < size <= 2 * nbytes or (best is not None and size >= best[0]):
+                continue
+            free = next((b for b in blocks if _free(b)), None)
+            if free is not None:
+                best = (size, free)
+        return None if best is None else best[1]
 
     def empty_like(self, t: torch.Tensor) -> torch.Tensor:
         """:meth:`empty` with ``t``'s shape and dtype on CPU; ``torch.empty_like`` elsewhere."""

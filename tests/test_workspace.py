@@ -127,6 +127,24 @@ def test_act_dropout_refuses_unknown_activation_and_probability():
         sparse.act_dropout(torch.randn(3, 3), "relu", 1.5)
 
 
+def test_a_smaller_request_takes_a_free_block_at_most_twice_its_size():
+    ws = Workspace(min_bytes=0)
+    big = ws.empty((1000, 10))
+    pb = big.data_ptr()
+    del big
+    part = ws.empty((600, 10))  # 60 %: the free 1000-row block, its pages already mapped
+    assert part.data_ptr() == pb and part.shape == (600, 10) and part.is_contiguous()
+    assert ws.holds(part) and ws.held_bytes() == 1000 * 10 * 4
+    assert ws.empty((1000, 10)).data_ptr() != pb, "the block is in use by the smaller tensor"
+    del part
+    assert ws.empty((400, 10)).data_ptr() != pb, "under half the block: a block of its own"
+    exact = ws.empty((400, 10))  # an exact size's free block comes first
+    pe = exact.data_ptr()
+    del exact
+    assert ws.empty((400, 10)).data_ptr() == pe
+    assert ws.empty((600, 10), torch.int32).data_ptr() != pb, "another dtype"
+
+
 def test_cross_entropy_rows_is_indexing_then_cross_entropy_bit_for_bit():
     torch.manual_seed(0)
     logits = torch.randn(5000, 12)
