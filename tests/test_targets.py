@@ -21,7 +21,7 @@ from tessera.sparse.rows import take_rows
 
 def test_select_rows_is_the_csr_of_the_picked_rows():
     g = awkward_graph(n=50, e=300)
-    ids = torch.tensor([3, 0, 52, 17, 3 + 1, 49], dtype=torch.int64)  # 52: an isolated vertex
+    ids = torch.tensor([3, 0, 52, 17, 4, 49], dtype=torch.int64)  # 52: an isolated vertex
     indptr, positions = select_rows(g.indptr, ids)
     ip, ix = g.indptr.numpy(), g.indices.numpy()
     want = [np.arange(ip[i], ip[i + 1]) for i in ids.tolist()]
