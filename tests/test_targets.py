@@ -16,7 +16,7 @@ from tessera.nn.conv import GINConv
 from tessera.nn.conv.base import LayerHints
 from tessera.nn.loss import cross_entropy_rows
 from tessera.sparse import as_operand
-from tessera.sparse.rows import take_rows
+from tessera.sparse.rows import add_rows_, take_rows
 
 
 def test_select_rows_is_the_csr_of_the_picked_rows():
@@ -68,6 +68,17 @@ def test_take_rows_is_indexing_with_its_gradient():
         out.backward(g)
         b[rows].backward(g)
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("n_rows", [0, 5, 3000])
+def test_add_rows_adds_the_picked_rows_in_chunks(n_rows):
+    # 3000 rows of 200 float32 span several 1 MB gather chunks, the last one partial
+    x = torch.randn(5000, 200)
+    rows = torch.randperm(5000)[:n_rows]
+    out = torch.randn(n_rows, 200)
+    want = out.clone().add_(x[rows], alpha=0.75)  # what the gather-add replaces, to the bit
+    assert add_rows_(out, x, rows, 0.75) is out
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 def test_cross_entropy_over_every_row_is_cross_entropy():

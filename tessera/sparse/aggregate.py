@@ -9,6 +9,7 @@ from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
 from tessera.memo import PlanCache
 from tessera.sparse.operand import Operand, as_operand
+from tessera.sparse.rows import add_rows_
 
 REDUCES = ("sum", "mean")
 _inv_degree = PlanCache()
@@ -60,8 +61,10 @@ class AggregateFn(torch.autograd.Function):
         else:
             out = a.masked_spmm(x, out_mask, weight, row_scale, False)
         own = a.row_vertices
-        if self_weight:
-            out.add_(x if own is None else x[own], alpha=self_weight)
+        if self_weight and own is None:
+            out.add_(x, alpha=self_weight)
+        elif self_weight:
+            add_rows_(out, x, own, self_weight)
         ctx.a, ctx.row_scale, ctx.out_mask, ctx.grad_mask = a, row_scale, out_mask, grad_mask
         ctx.self_weight = self_weight
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)

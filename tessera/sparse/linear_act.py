@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tessera import workspace
@@ -29,7 +30,7 @@ from tessera.bfloat16 import BF16
 from tessera.sparse import widened
 from tessera.sparse.deferred import Owed, accept, owed_rows
 from tessera.sparse.dropout import ACT_MODES, act_dropout, draw_seed, keep_threshold, run_hashed
-from tessera.sparse.linear import cast_like, linear, linear_add_, mm_into_
+from tessera.sparse.linear import cast_like, linear, linear_add_
 
 CHUNK_BYTES = 1 << 20
 # The forward's products run on chunks 4x as large: 1 MB ones measured 17 % slower
@@ -64,6 +65,16 @@ def _fusable(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], ep: Ep
         and all(x.dtype == dt for x in xs)
         and all(w.dtype in (dt, torch.float32) for w in weights)
     )
+
+
+def _positive(y: torch.Tensor) -> torch.Tensor:
+    """``y > 0`` into a kept bool block; float32 on NumPy's comparison, which measured 5x faster
+    than torch's (4096 x 256, AMD EPYC Zen 3: 0.12 ms against 0.58 ms on 2 threads)."""
+    out = workspace.empty(y.shape, torch.bool)
+    if y.dtype == torch.float32 and y.device.type == "cpu" and y.is_contiguous():
+        np.greater(y.numpy(), np.float32(0.0), out=out.numpy())
+        return out
+    return torch.gt(y, 0.0, out=out)
 
 
 def _product(xs, weights, bias) -> torch.Tensor:
@@ -107,7 +118,7 @@ class _LinearAct(torch.autograd.Function):
             run_hashed(z, y[r0:r1], seed, p, ids[r0:r1], forward_mode)
         ctx.p, ctx.seed, ctx.rows, ctx.n_in, ctx.owed = p, seed, rows, n_in, owed
         # ReLU's backward reads only whether each output is positive (dropped ones are zero)
-        kept = torch.gt(y, 0.0, out=workspace.empty(y.shape, torch.bool)) if mask_only and act == "relu" else y
+        kept = _positive(y) if mask_only and act == "relu" else y
         ctx.save_for_backward(kept, *xs, *weights)
         return y
 
@@ -136,7 +147,7 @@ class _LinearAct(torch.autograd.Function):
         d_buf = torch.empty((step, width), dtype=dt)
         g_buf = torch.empty((step, width), dtype=dt) if owed else None
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
-        wts = [w.to(dt).t().contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
+        wds = [w.to(dt).contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
         owed = [(go, wo.to(dt).contiguous()) for go, wo in owed]
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -147,13 +158,16 @@ class _LinearAct(torch.autograd.Function):
             run_hashed(src, d, ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=y[r0:r1])
             if gb is not None:
                 gb += d.sum(0)  # bfloat16 rows are summed in float32 and rounded once (15x faster than dtype=)
-            for x, wt, gx, gw in zip(xs, wts, gxs, gws):
+            for x, wd, gx, gw in zip(xs, wds, gxs, gws):
                 if gw is not None and half:  # no mixed-dtype addmm on CPU: each chunk's product rounded once
                     gw += widened.mm(d.t(), x[r0:r1])
                 elif gw is not None:
                     gw.addmm_(d.t(), x[r0:r1])
                 if gx is not None:
-                    mm_into_(gx[r0:r1], d, wt)
+                    # on MKL, whatever the whole products' path: on row chunks this size it
+                    # measured 20-40 % faster than oneDNN's zeroed in-place product (AMD EPYC Zen 3,
+                    # 2 threads, 169 k rows in 1024-row chunks, 256 -> 256: 0.20 s against 0.27 s)
+                    widened.mm(d, wd, out=gx[r0:r1])
         return (gb, None, None, None, None, None, None, None, *gxs, *gws)
 
 
