@@ -214,11 +214,34 @@ def test_chunking_is_kept_by_the_backend_and_stored_on_disk(tmp_path, monkeypatc
     be = get_backend("dense_block")
     assert be.plan(g) is be.plan(g)  # the backend's own plan cache, not the graph
     assert not g._structure.get("dense_block_plan")
-    files = list((tmp_path / "chunks").glob("*.npz"))
+    files = list((tmp_path / "chunks").glob("*-8-0.npz"))  # the backend stores its own size too
     assert len(files) == 1
     g2 = awkward_graph(seed=4)  # same structure, fresh object: loads from disk
     b = chunking.locality_chunking(g2, 8, disk_cache=True)
     assert np.array_equal(a.order, b.order) and np.array_equal(a.chunk_ptr, b.chunk_ptr)
+
+
+def test_chunking_is_stored_by_default_and_a_damaged_file_is_recomputed(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    monkeypatch.delenv("TESSERA_CHUNK_CACHE", raising=False)
+    g = awkward_graph(seed=5)
+    want = chunking.locality_chunking(g, 8)
+    (path,) = (tmp_path / "chunks").glob("*.npz")
+    n = g.num_rows
+    bad = [
+        (want.order + n, want.chunk_ptr),  # rows out of range
+        (np.zeros(n, np.int64), want.chunk_ptr),  # not a permutation
+        (want.order, want.chunk_ptr[:-1]),  # does not end at n
+        (want.order.astype(np.int32), want.chunk_ptr),
+    ]
+    for order, ptr in bad:
+        np.savez(path, order=order, chunk_ptr=ptr)
+        got = chunking.locality_chunking(awkward_graph(seed=5), 8)
+        assert np.array_equal(got.order, want.order) and np.array_equal(got.chunk_ptr, want.chunk_ptr)
+    monkeypatch.setenv("TESSERA_CHUNK_CACHE", "0")
+    path.unlink()
+    chunking.locality_chunking(awkward_graph(seed=5), 8)
+    assert not path.exists()
 
 
 def test_cache_size_rule():
