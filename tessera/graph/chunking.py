@@ -238,9 +238,9 @@ def _is_chunking_of(ch: Chunking, n: int) -> bool:
         return False
     if ptr[0] != 0 or ptr[-1] != n or np.any(np.diff(ptr) < 0):
         return False
-    seen = np.zeros(n, np.bool_)
     if n and (order.min() < 0 or order.max() >= n):
         return False
+    seen = np.zeros(n, np.bool_)
     seen[order] = True
     return bool(seen.all())
 

@@ -37,7 +37,7 @@ def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return _TakeRows.apply(x, rows)
 
 
-# rows gathered per chunk of add_rows_: a few hundred kilobytes, added while still in cache
+# bytes of rows gathered per chunk of add_rows_: about a megabyte, added while still in cache
 _GATHER_BYTES = 1 << 20
 
 
