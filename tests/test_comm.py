@@ -2,7 +2,7 @@
 
 One spawn of 4 processes (``group_reports``) forms a group of each size P in turn and runs every
 check of this module that needs P ranks: the byte counts at P = 2, 3, 4, the exchange checks at
-P = 3 and the accuracy runs at P = 4."""
+P = 3 and the accuracy runs at P = 2 (two ranks on two cores: four took 1.4 times as long)."""
 
 import json
 import os
@@ -22,7 +22,7 @@ MODES = ("post", "pre", "prepost")
 BITS = (32, 8, 4, 2)
 BYTES_DATASETS = ("cora", "synthetic:small")
 WORLDS = (2, 3, 4)
-EXCHANGE_WORLD, ACCURACY_WORLD = 3, 4
+EXCHANGE_WORLD, ACCURACY_WORLD = 3, 2
 # The same model settings (LayerNorm, label propagation at rate 0.5) with fp32 and int2 exchange:
 # the only difference is the bits on the wire.
 GUARDS = {"norm": "layer", "label_prop": 0.5}
@@ -141,7 +141,7 @@ def test_int2_with_layernorm_and_label_propagation_keeps_cora_accuracy(group_rep
     acc = group_reports[ACCURACY_WORLD][0]["acc"]
     assert {k: len(v) for k, v in acc.items()} == {"fp32": 3, "int2": 3}, acc
     fp32, int2 = statistics.mean(acc["fp32"]), statistics.mean(acc["int2"])
-    print(f"Cora, 4 ranks, mean test accuracy over 3 seeds: fp32 {fp32:.4f}, int2+LN+LP {int2:.4f}", acc)
+    print(f"Cora, {ACCURACY_WORLD} ranks, mean test accuracy over 3 seeds: fp32 {fp32:.4f}, int2+LN+LP {int2:.4f}", acc)
     assert fp32 >= 0.75, acc  # the run learns (Cora chance is 0.14; GCN without the guards reaches ~0.82)
     assert int2 >= fp32 - 0.015, acc
 

@@ -118,7 +118,7 @@ def _train_cmd(out, epochs):
 
 
 def test_killed_and_resumed_run_ends_with_identical_weights(tmp_path):
-    epochs = 250
+    epochs = 60  # killed right after the first checkpoint
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     subprocess.run(_train_cmd(tmp_path / "full", epochs), check=True, env=env, capture_output=True)
 
