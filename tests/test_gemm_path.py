@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import spawn_with_retry
 from tessera import sparse
 from tessera.sparse import gemm_path
 
@@ -161,3 +164,32 @@ def test_the_kept_onednn_path_is_right_on_degenerate_shapes(rows, k, o):
     with gemm_path.forced("onednn_kept"):
         torch.testing.assert_close(sparse.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(sparse.linear_add_(acc.clone(), x, w), acc + F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def _ranks_that_would_decide_apart(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    from tessera.comm.group import init_from_env, shutdown
+    from tessera.datasets import load
+    from tessera.threads import set_num_threads
+    from tessera.train.config import TrainConfig
+    from tessera.train.loop import Trainer
+
+    set_num_threads(1)
+    # each rank measuring by itself, as ranks started on an empty cache do, and timing differently
+    gemm_path._decide = lambda key: gemm_path.PATHS[1 - rank]  # rank 0: onednn_kept, rank 1: mkl
+    comm = init_from_env(120)
+    try:
+        cfg = TrainConfig(dataset="synthetic:tiny", epochs=2, out=str(Path(out) / str(rank)), progress=False)
+        Trainer(cfg, load("synthetic:tiny"), comm).fit()
+        (Path(out) / f"path-{rank}").write_text(gemm_path.gemm_path())
+    finally:
+        shutdown()
+
+
+def test_a_distributed_run_takes_rank_0s_path_on_every_rank(tmp_path):
+    if not gemm_path.onednn_usable():
+        pytest.skip("this torch build has no oneDNN ops")
+    from tessera.cli.launch import free_port
+
+    spawn_with_retry(_ranks_that_would_decide_apart, (2, free_port(), str(tmp_path)), 2)
+    assert [(tmp_path / f"path-{r}").read_text() for r in (0, 1)] == ["onednn_kept", "onednn_kept"]

@@ -18,8 +18,9 @@ bench_dense.py``, ``benchmarks/RESULTS.md`` session 16). So elsewhere two produc
 step's size are timed all three ways once, fresh output included; a fresh output is taken only when
 it is clearly faster than the best kept one. The decision is kept on disk
 (``$TESSERA_CACHE/gemm.json``) per CPU (vendor, name, family and model), torch version, thread
-count and preloaded allocator, so every process on the machine, every rank of a run included, uses
-the same library and gets the same arithmetic.
+count and preloaded allocator, so every process on the machine uses the same library and gets the
+same arithmetic. The ranks of a distributed run, which may all start before any decision is on
+disk and would then each measure (with each other's load), take rank 0's (:func:`adopt`).
 """
 
 from __future__ import annotations
@@ -163,6 +164,15 @@ def gemm_path() -> GemmPath:
         if key not in _chosen:
             _chosen[key] = _decide(key)
         return _chosen[key]
+
+
+def adopt(path: GemmPath) -> None:
+    """Answer ``path`` from now on for this process's CPU, torch, thread count and allocator (a
+    distributed run's ranks adopt rank 0's decision)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown GEMM path {path!r}; choose {', '.join(PATHS)}")
+    with _lock:
+        _chosen[_key()] = path
 
 
 def _decide(key: str) -> GemmPath:

@@ -24,6 +24,7 @@ from tessera.errors import ConfigError, DistributedError, TesseraError
 from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
 from tessera.nn.loss import cross_entropy_rows
+from tessera.sparse import gemm_path
 from tessera.threads import set_num_threads
 from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
 from tessera.train.config import TrainConfig
@@ -67,6 +68,13 @@ def default_out_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{cfg.model}-{ds}-s{cfg.seed}"
 
 
+def _agree_gemm_path(comm: Comm) -> None:
+    """Every rank runs its dense products on rank 0's GEMM path (measured there if not yet known)."""
+    mine = gemm_path.PATHS.index(gemm_path.gemm_path()) if comm.rank == 0 else -1
+    choice = comm.broadcast(torch.tensor([mine], dtype=torch.int64, device=comm.device))
+    gemm_path.adopt(gemm_path.PATHS[int(choice.item())])
+
+
 class Trainer:
     """Trains one model on one graph (or, in a distributed job, on this rank's part of it);
     ``fit()`` returns the result dict also written to ``result.json``."""
@@ -78,6 +86,8 @@ class Trainer:
         self.is_main = self.comm.rank == 0
         if cfg.threads:
             set_num_threads(cfg.threads)
+        if self.comm.world > 1:
+            _agree_gemm_path(self.comm)
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
         self._resume = self._read_checkpoint()
