@@ -86,7 +86,7 @@ class Trainer:
         self.is_main = self.comm.rank == 0
         if cfg.threads:
             set_num_threads(cfg.threads)
-        if self.comm.world > 1:
+        if self.comm.world > 1 and self.comm.device.type == "cpu":  # the path is the CPU products'
             _agree_gemm_path(self.comm)
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
