@@ -153,10 +153,13 @@ def _key() -> str:
 
 def gemm_path() -> GemmPath:
     """``"mkl"``, ``"onednn_kept"`` (both into workspace blocks) or ``"onednn"`` (fresh outputs) for
-    this CPU, torch, thread count and allocator: forced, remembered, read from disk, or measured
-    and written there."""
-    if _forced:
-        return _forced[-1]
+    this CPU, torch, thread count and allocator: forced, or :func:`decided`."""
+    return _forced[-1] if _forced else decided()
+
+
+def decided() -> GemmPath:
+    """This CPU's path whatever :func:`forced` says: remembered, read from disk, or measured and
+    written there."""
     if not onednn_usable():
         return "mkl"
     key = _key()
@@ -169,10 +172,14 @@ def gemm_path() -> GemmPath:
 def adopt(path: GemmPath) -> None:
     """Answer ``path`` from now on for this process's CPU, torch, thread count and allocator (a
     distributed run's ranks adopt rank 0's decision)."""
-    if path not in PATHS:
-        raise ValueError(f"unknown GEMM path {path!r}; choose {', '.join(PATHS)}")
+    _check(path)
     with _lock:
         _chosen[_key()] = path
+
+
+def _check(path: str) -> None:
+    if path not in PATHS:
+        raise ValueError(f"unknown GEMM path {path!r}; choose {', '.join(PATHS)}")
 
 
 def _decide(key: str) -> GemmPath:
@@ -234,8 +241,7 @@ def _time_shape(rows: int, k: int, n: int) -> dict[GemmPath, float]:
 @contextmanager
 def forced(path: GemmPath) -> Iterator[None]:
     """Within this block, :func:`gemm_path` answers ``path`` (tests and benchmarks)."""
-    if path not in PATHS:
-        raise ValueError(f"unknown GEMM path {path!r}; choose {', '.join(PATHS)}")
+    _check(path)
     _forced.append(path)
     try:
         yield

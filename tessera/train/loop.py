@@ -69,10 +69,12 @@ def default_out_dir(cfg: TrainConfig) -> Path:
 
 
 def _agree_gemm_path(comm: Comm) -> None:
-    """Every rank runs its dense products on rank 0's GEMM path (measured there if not yet known)."""
-    mine = gemm_path.PATHS.index(gemm_path.gemm_path()) if comm.rank == 0 else -1
+    """Every rank runs its dense products on rank 0's decided GEMM path (measured there if not yet
+    known); a path forced for a block is not adopted beyond it."""
+    mine = gemm_path.PATHS.index(gemm_path.decided()) if comm.rank == 0 else -1
     choice = comm.broadcast(torch.tensor([mine], dtype=torch.int64, device=comm.device))
-    gemm_path.adopt(gemm_path.PATHS[int(choice.item())])
+    if comm.rank != 0:
+        gemm_path.adopt(gemm_path.PATHS[int(choice.item())])
 
 
 class Trainer:
