@@ -20,7 +20,7 @@ from tessera.datasets import load
 from tessera.graph.formats import to_pyg
 from tessera.nn import build_model
 from tessera.threads import set_num_threads
-from tessera.train.loop import prepare_features
+from tessera.train.setup import prepare_features
 
 
 class PygNet(torch.nn.Module):
@@ -87,7 +87,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for ds in args.datasets:
         g = load(ds)
-        x = prepare_features(g, "auto")
+        x = prepare_features(g.x, "auto")
         data = to_pyg(g)
         train_idx = g.train_mask.nonzero().view(-1)
         for name in args.models:

@@ -14,6 +14,7 @@ from tessera.sparse.linear_act import Epilogue, linear_act
 from tessera.sparse.lstm import SequencePlan, lstm_aggregate, sequence_plan
 from tessera.sparse.masked import dropout_aggregate, masked_aggregate, masked_spmm_t
 from tessera.sparse.operand import GraphOperand, Operand, as_operand
+from tessera.sparse.sparse_features import sparse_rows
 from tessera.sparse.spec import LayerSpec
 
 __all__ = [
@@ -42,5 +43,6 @@ __all__ = [
     "lstm_aggregate",
     "masked_aggregate",
     "masked_spmm_t",
+    "sparse_rows",
     "sequence_plan",
 ]

@@ -37,6 +37,13 @@ def block_key(seed_lo, seed_hi, start):
     return np.uint32(hash32(np.uint64(seed_hi) ^ np.uint64(start >> 32)) ^ np.uint64(seed_lo))
 
 
+@numba.njit(inline="always")
+def element_kept(g, seed_lo, seed_hi, threshold):
+    """Whether the element of global index ``g`` is kept: the test :func:`_hashed` makes, for one
+    element (kernels that visit only some elements, such as a sparse matrix's non-zeros)."""
+    return _element_hash(g, block_key(seed_lo, seed_hi, (g // _BLOCK) * _BLOCK)) >= threshold
+
+
 # What the kernel writes per element, given its input a, the saved forward output y (backward
 # only) and whether its hash keeps it.
 DROP = 0  # a * scale if kept else 0

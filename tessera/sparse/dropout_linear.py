@@ -21,6 +21,7 @@ from tessera import workspace
 from tessera.sparse import widened
 from tessera.sparse.dropout import DROP, draw_seed, dropout, keep_threshold, run_hashed
 from tessera.sparse.linear import linear
+from tessera.sparse.sparse_features import sparse_dropout_linear, sparse_rows
 
 CHUNK_BYTES = 4 << 20
 
@@ -80,7 +81,12 @@ def dropout_linear(
 ) -> torch.Tensor:
     """``linear(dropout(x, p, training, rows), weight, bias)``: the same random draw and values,
     without a dropped-out copy of ``x`` (fused where ``x`` is a float32 CPU matrix that needs no
-    gradient, else composed)."""
+    gradient, over its non-zeros only where it is mostly zeros, else composed)."""
+    sr = sparse_rows(x)
+    p_drop = p if training else 0.0
+    plain = weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+    if sr is not None and plain and 0.0 <= p_drop < 1.0 and keep_threshold(p_drop) is not None:
+        return sparse_dropout_linear(sr, weight, bias, p_drop, None if rows is None else rows.to(torch.int64))
     fused = (
         training
         and 0.0 < p < 1.0

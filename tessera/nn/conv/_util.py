@@ -70,16 +70,17 @@ def linear_then_aggregate(
     callers add it after aggregation. Of the S-SpMM
     ``hints``, the side that aggregates uses its own (see :class:`LayerHints`). ``constant`` (the
     layer's memo and the graph operand it was called with): with ``hints.constant_input``, ``A x``
-    is computed once."""
+    is computed once. ``hints.input_dropout`` is applied to ``x`` first, inside the linear map
+    (:func:`~tessera.sparse.dropout_linear`: over ``x``'s non-zeros where it is mostly zeros)."""
     hints = hints or LayerHints()
     if aggregates_output(lin, aggregate_first):
-        xw = lin(x)
+        xw = sparse.dropout_linear(x, lin.weight, None, hints.input_dropout, True, hints.rows)
         if hints.targets is not None:
             return target_aggregate(a, xw, reduce, hints.targets)
         if hints.output_mask is not None:
             return sparse.masked_aggregate(a, xw, hints.output_mask, reduce)
         return sparse.aggregate(a, xw, reduce)
-    return lin(input_aggregate(a, x, reduce, hints, constant))
+    return lin(input_aggregate(a, sparse.dropout(x, hints.input_dropout, True, hints.rows), reduce, hints, constant))
 
 
 def input_aggregate(

@@ -34,6 +34,7 @@ class GCNConv(GraphConv):
 
     takes_epilogue = True
     takes_targets = True
+    takes_input_dropout = True
 
     def __init__(
         self, in_channels: int, out_channels: int, improved: bool = False, add_self_loops: bool | None = None,
@@ -69,6 +70,7 @@ class GCNConv(GraphConv):
         if aggregates_output(self.lin, self.aggregate_first):
             out = linear_then_aggregate(a, x, self.lin, "sum", hints, self.aggregate_first)
             return finish(add_bias_(out, self.bias), hints)
+        x = sparse.dropout(x, hints.input_dropout, True, hints.rows)
         agg = input_aggregate(a, x, "sum", hints, (self._input_aggregate, graph))
         return sparse.linear_act([agg], [self.lin.weight], self.bias, hints.epilogue, hints.output_rows())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +30,7 @@ class SAGEConv(GraphConv):
 
     takes_epilogue = True
     takes_targets = True
+    takes_input_dropout = True
 
     def __init__(
         self,
@@ -56,8 +59,13 @@ class SAGEConv(GraphConv):
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         hints = hints or LayerHints()
         a = as_operand(graph, self.backend).pattern()
-        targets = hints.targets
-        if not self.normalize and not aggregates_output(self.lin_l, self.aggregate_first):
+        targets, p_in = hints.targets, hints.input_dropout
+        last = aggregates_output(self.lin_l, self.aggregate_first)
+        split = self.lin_r is not None and hints.output_mask is None and last
+        if not split:  # x goes into two products: dropped out once, here
+            x = sparse.dropout(x, p_in, True, hints.rows)
+            hints = replace(hints, input_dropout=0.0)
+        if not self.normalize and not last:
             # (A x) W_l^T + b + x W_r^T, the activation and dropout after it: one fused node
             agg = input_aggregate(a, x, self.aggr, hints, (self._input_aggregate, graph))
             xs, ws = (
@@ -66,10 +74,8 @@ class SAGEConv(GraphConv):
                 else ([agg], [self.lin_l.weight])
             )
             return sparse.linear_act(xs, ws, self.lin_l.bias, hints.epilogue, hints.output_rows())
-        if self.lin_r is not None and hints.output_mask is None and aggregates_output(self.lin_l, self.aggregate_first):
-            # x W_l^T and x W_r^T as one product: x is read once each way, and its gradient is
-            # one product instead of two added in another N x F pass
-            xl, xr = sparse.linear_split(x, [self.lin_l.weight, self.lin_r.weight])
+        if split:
+            xl, xr = self._project_both(x, p_in, hints.rows)
             if targets is None:
                 out = sparse.aggregate(a, xl.contiguous(), self.aggr)
             else:
@@ -85,6 +91,17 @@ class SAGEConv(GraphConv):
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return finish(out, hints)
+
+    def _project_both(self, x: torch.Tensor, p: float, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dropout(x, p) W_l^T`` and ``dropout(x, p) W_r^T``, with one dropout draw."""
+        weights = [self.lin_l.weight, self.lin_r.weight]
+        if sparse.sparse_rows(x) is not None:
+            # a mostly-zero input (bag of words): one product over its non-zeros, stacked weights
+            both = sparse.dropout_linear(x, torch.cat(weights), None, p, True, rows)
+            return both[:, : self.out_channels], both[:, self.out_channels :]
+        # x W_l^T and x W_r^T as one product: x is read once each way, and its gradient is
+        # one product instead of two added in another N x F pass
+        return sparse.linear_split(sparse.dropout(x, p, True, rows), weights)
 
     def describe(self) -> LayerSpec:
         return linear_spec(self.lin_l, self.aggregate_first)

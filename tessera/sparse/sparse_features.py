@@ -1,0 +1,190 @@
+"""``dropout(x) @ W^T + b`` over the non-zeros of a mostly-zero feature matrix.
+
+Bag-of-words inputs (Cora's 2708 x 1433 and CiteSeer's 3327 x 3703 binary word vectors) are about
+1 % non-zero. A dense first layer multiplies every zero, and draws a dropout hash for every zero,
+in both directions: on Cora it is most of a GCN step. Here the matrix's non-zeros are found once
+per feature tensor (:func:`sparse_rows`, kept while the tensor lives unmodified), and each step
+visits only them: the forward adds ``kept * scale * x[i, k] * W[:, k]`` into row ``i``, the
+weight gradient sums ``kept * scale * x[i, k] * g[i]`` down column ``k``. The dropout test of a
+non-zero is the hashed dropout's test of the same element
+(:func:`~tessera.sparse.dropout.element_kept`, keyed by ``rows`` the same way), and a dropped zero
+is zero either way, so the values are those of ``linear(dropout(x, p, rows=rows), W, b)`` up to
+the order the products are summed in.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from tessera import workspace
+from tessera.sparse.dropout import draw_seed, element_kept, keep_threshold
+from tessera.threads import sync_numba_threads
+
+#: the largest fraction of non-zeros taken on this path; denser inputs stay dense. At 5 % the
+#: sparse layer's forward and weight gradient took 0.32-0.58x the dense one's time, at 10 %
+#: 0.53-0.87x, at 20 % 0.77-1.66x, over Cora's, CiteSeer's and two wider shapes (AMD EPYC Zen 3,
+#: 2 threads: python benchmarks/bench_sparse_features.py; benchmarks/RESULTS.md)
+MAX_DENSITY = 0.05
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """A matrix's non-zeros by row (CSR) and by column (CSC), with its width."""
+
+    indptr: np.ndarray  # (n + 1,) int64
+    cols: np.ndarray  # (nnz,) int64
+    vals: np.ndarray  # (nnz,) float32
+    col_ptr: np.ndarray  # (width + 1,) int64
+    col_rows: np.ndarray  # (nnz,) int64
+    col_vals: np.ndarray  # (nnz,) float32
+    width: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the matrix."""
+        return self.indptr.shape[0] - 1
+
+
+def _build(x: np.ndarray, nnz: int) -> SparseRows:
+    r, c = np.nonzero(x)  # row-major order: the CSR order
+    n, width = x.shape
+    vals = x[r, c]
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(r, minlength=n), out=indptr[1:])
+    order = np.argsort(c, kind="stable")  # by column, rows ascending within each
+    col_ptr = np.zeros(width + 1, np.int64)
+    np.cumsum(np.bincount(c, minlength=width), out=col_ptr[1:])
+    return SparseRows(indptr, c.astype(np.int64), vals, col_ptr, r[order].astype(np.int64), vals[order], width)
+
+
+_memo: dict[int, tuple[weakref.ref, int, SparseRows | None]] = {}
+
+
+def sparse_rows(x: torch.Tensor) -> SparseRows | None:
+    """``x``'s non-zeros when it is a float32 CPU matrix that needs no gradient and is at most
+    :data:`MAX_DENSITY` non-zero, else None; found once per tensor and version."""
+    if x.requires_grad or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.numel():
+        return None
+    key = id(x)
+    hit = _memo.get(key)
+    if hit is not None and hit[0]() is x and hit[1] == x._version:
+        return hit[2]
+    xn = x.detach().contiguous().numpy()
+    nnz = int(np.count_nonzero(xn))
+    found = _build(xn, nnz) if nnz <= MAX_DENSITY * xn.size else None
+    _memo[key] = (weakref.ref(x, lambda _, k=key: _memo.pop(k, None)), x._version, found)
+    return found
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _forward(indptr, cols, vals, rows, has_rows, width, wt, bias, out, seed_lo, seed_hi, threshold, scale, masked):
+    # out[i] = bias + sum over row i's kept non-zeros of (x[i, k] * scale) * wt[k]
+    n, m = out.shape
+    for i in numba.prange(n):
+        o = out[i]
+        for j in range(m):
+            o[j] = bias[j]
+        g0 = (rows[i] if has_rows else np.int64(i)) * width
+        for e in range(indptr[i], indptr[i + 1]):
+            k = cols[e]
+            if masked and not element_kept(g0 + k, seed_lo, seed_hi, threshold):
+                continue
+            v = vals[e] * scale
+            w = wt[k]
+            for j in range(m):
+                o[j] += v * w[j]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _weight_grad(
+    col_ptr, col_rows, col_vals, rows, has_rows, width, g, gwt, seed_lo, seed_hi, threshold, scale, masked
+):
+    # gwt[k] = sum over column k's kept non-zeros of (x[i, k] * scale) * g[i]: columns apart, no races
+    nk, m = gwt.shape
+    for k in numba.prange(nk):
+        acc = gwt[k]
+        for j in range(m):
+            acc[j] = 0.0
+        for e in range(col_ptr[k], col_ptr[k + 1]):
+            i = col_rows[e]
+            if masked and not element_kept((rows[i] if has_rows else i) * width + k, seed_lo, seed_hi, threshold):
+                continue
+            v = col_vals[e] * scale
+            gi = g[i]
+            for j in range(m):
+                acc[j] += v * gi[j]
+
+
+_NO_ROWS = np.zeros(1, np.int64)
+
+
+def _draw_args(seed: int, p: float, rows: torch.Tensor | None) -> tuple:
+    ids = _NO_ROWS if rows is None else rows.to(torch.int64).contiguous().numpy()
+    threshold = keep_threshold(p)
+    return (
+        ids,
+        rows is not None,
+        np.uint64(seed & 0xFFFFFFFF),
+        np.uint64(seed >> 32),
+        threshold,
+        np.float32(1.0 / (1.0 - p)),
+        p > 0.0,
+    )
+
+
+class _SparseDropoutLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bias, weight, sr, p, seed, rows):
+        ids, has_rows, lo, hi, threshold, scale, masked = _draw_args(seed, p, rows)
+        m = weight.shape[0]
+        wt = weight.detach().t().contiguous().numpy()  # (width, m): a non-zero's row of products
+        b = np.zeros(m, np.float32) if bias is None else bias.detach().contiguous().numpy()
+        out = workspace.empty((sr.num_rows, m), torch.float32)
+        sync_numba_threads()
+        _forward(sr.indptr, sr.cols, sr.vals, ids, has_rows, np.int64(sr.width), wt, b, out.numpy(), lo, hi,
+                 threshold, scale, masked)  # fmt: skip
+        ctx.sr, ctx.p, ctx.seed, ctx.rows = sr, p, seed, rows
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        need_b, need_w = ctx.needs_input_grad[:2]
+        g = g.contiguous()
+        gw = None
+        if need_w:
+            sr = ctx.sr
+            ids, has_rows, lo, hi, threshold, scale, masked = _draw_args(ctx.seed, ctx.p, ctx.rows)
+            gwt = torch.empty((sr.width, g.shape[1]), dtype=torch.float32)
+            sync_numba_threads()
+            _weight_grad(sr.col_ptr, sr.col_rows, sr.col_vals, ids, has_rows, np.int64(sr.width), g.numpy(),
+                         gwt.numpy(), lo, hi, threshold, scale, masked)  # fmt: skip
+            gw = gwt.t().contiguous()
+        gb = g.sum(0) if need_b else None
+        return gb, gw, None, None, None, None
+
+
+def sparse_dropout_linear(
+    sr: SparseRows,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    p: float,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``linear(dropout(x, p, rows=rows), weight, bias)`` for the matrix ``x`` whose non-zeros are
+    ``sr`` (``p`` = 0: no dropout, no draw), drawing the seed where :func:`~tessera.sparse.dropout`
+    draws it. Float32 ``weight`` and ``bias``; ``x`` gets no gradient."""
+    if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        raise ValueError("sparse_dropout_linear takes float32 weights")
+    if weight.dim() != 2 or weight.shape[1] != sr.width:
+        raise ValueError(f"weight of shape {tuple(weight.shape)} for {sr.width} features")
+    if not 0.0 <= p < 1.0 or keep_threshold(p) is None:
+        raise ValueError(f"dropout probability {p} must keep something (0 <= p < 1)")
+    if rows is not None and rows.numel() != sr.num_rows:
+        raise ValueError(f"rows has {rows.numel()} ids for {sr.num_rows} rows")
+    seed = draw_seed() if p > 0.0 else 0
+    return _SparseDropoutLinear.apply(bias, weight, sr, p, seed, rows)
