@@ -66,10 +66,8 @@ class GATConv(GraphConv):
         a = a.with_self_loops() if self.add_self_loops else a.pattern()
         n, heads, width = x.shape[0], self.heads, self.out_channels
         p_in = hints.input_dropout if hints is not None else 0.0
-        if p_in > 0.0:
-            flat = sparse.dropout_linear(x, self.lin.weight, self.lin.bias, p_in, True, hints.rows)
-        else:
-            flat = self.lin(x)
+        rows = hints.rows if hints is not None else None
+        flat = sparse.dropout_linear(x, self.lin.weight, self.lin.bias, p_in, True, rows)
         h = flat.view(n, heads, width)
         # Both ends' attention terms as one product with a block-diagonal (2 heads, heads x width)
         # matrix: no (N, heads, width) temporaries, and the input gradient lands in one block.
