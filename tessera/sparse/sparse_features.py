@@ -74,6 +74,12 @@ def sparse_rows(x: torch.Tensor) -> SparseRows | None:
     hit = _memo.get(key)
     if hit is not None and hit[0]() is x and hit[1] == x._version:
         return hit[2]
+    # a 64 x 64 grid of entries first: a dense matrix (a hidden layer's activations, evaluated
+    # without gradients) is turned away without a pass over it, and nothing is kept for it
+    n, k = x.shape
+    grid = x.detach().numpy()[:: max(1, n // 64), :: max(1, k // 64)]
+    if np.count_nonzero(grid) > 4 * MAX_DENSITY * grid.size:
+        return None
     xn = x.detach().contiguous().numpy()
     nnz = int(np.count_nonzero(xn))
     found = _build(xn, nnz) if nnz <= MAX_DENSITY * xn.size else None
