@@ -22,7 +22,9 @@ import numpy as np
 import torch
 
 from tessera import workspace
+from tessera.bfloat16 import BF16
 from tessera.sparse.dropout import draw_seed, element_kept, keep_threshold
+from tessera.sparse.linear import cast_like
 from tessera.threads import sync_numba_threads
 
 #: the largest fraction of non-zeros taken on this path; denser inputs stay dense. At 5 % the
@@ -34,7 +36,8 @@ MAX_DENSITY = 0.05
 
 @dataclass(frozen=True)
 class SparseRows:
-    """A matrix's non-zeros by row (CSR) and by column (CSC), with its width."""
+    """A matrix's non-zeros by row (CSR) and by column (CSC), with its width and storage dtype
+    (float32 or bfloat16; the values are held in float32, exactly)."""
 
     indptr: np.ndarray  # (n + 1,) int64
     cols: np.ndarray  # (nnz,) int64
@@ -43,6 +46,7 @@ class SparseRows:
     col_rows: np.ndarray  # (nnz,) int64
     col_vals: np.ndarray  # (nnz,) float32
     width: int
+    dtype: torch.dtype
 
     @property
     def num_rows(self) -> int:
@@ -50,7 +54,7 @@ class SparseRows:
         return self.indptr.shape[0] - 1
 
 
-def _build(x: np.ndarray, nnz: int) -> SparseRows:
+def _build(x: np.ndarray, dtype: torch.dtype) -> SparseRows:
     r, c = np.nonzero(x)  # row-major order: the CSR order
     n, width = x.shape
     vals = x[r, c]
@@ -59,16 +63,18 @@ def _build(x: np.ndarray, nnz: int) -> SparseRows:
     order = np.argsort(c, kind="stable")  # by column, rows ascending within each
     col_ptr = np.zeros(width + 1, np.int64)
     np.cumsum(np.bincount(c, minlength=width), out=col_ptr[1:])
-    return SparseRows(indptr, c.astype(np.int64), vals, col_ptr, r[order].astype(np.int64), vals[order], width)
+    return SparseRows(indptr, c.astype(np.int64), vals, col_ptr, r[order].astype(np.int64), vals[order], width, dtype)
 
 
 _memo: dict[int, tuple[weakref.ref, int, SparseRows | None]] = {}
 
 
 def sparse_rows(x: torch.Tensor) -> SparseRows | None:
-    """``x``'s non-zeros when it is a float32 CPU matrix that needs no gradient and is at most
-    :data:`MAX_DENSITY` non-zero, else None; found once per tensor and version."""
-    if x.requires_grad or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.numel():
+    """``x``'s non-zeros when it is a float32 or bfloat16 CPU matrix that needs no gradient and is
+    at most :data:`MAX_DENSITY` non-zero, else None; found once per tensor and version."""
+    if x.requires_grad or x.dtype not in (torch.float32, BF16) or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    if not x.numel():
         return None
     key = id(x)
     hit = _memo.get(key)
@@ -77,12 +83,11 @@ def sparse_rows(x: torch.Tensor) -> SparseRows | None:
     # a 64 x 64 grid of entries first: a dense matrix (a hidden layer's activations, evaluated
     # without gradients) is turned away without a pass over it, and nothing is kept for it
     n, k = x.shape
-    grid = x.detach().numpy()[:: max(1, n // 64), :: max(1, k // 64)]
+    grid = x.detach()[:: max(1, n // 64), :: max(1, k // 64)].float().numpy()
     if np.count_nonzero(grid) > 4 * MAX_DENSITY * grid.size:
         return None
-    xn = x.detach().contiguous().numpy()
-    nnz = int(np.count_nonzero(xn))
-    found = _build(xn, nnz) if nnz <= MAX_DENSITY * xn.size else None
+    xn = x.detach().float().contiguous().numpy()  # bfloat16 values widen exactly
+    found = _build(xn, x.dtype) if np.count_nonzero(xn) <= MAX_DENSITY * xn.size else None
     _memo[key] = (weakref.ref(x, lambda _, k=key: _memo.pop(k, None)), x._version, found)
     return found
 
@@ -148,19 +153,22 @@ class _SparseDropoutLinear(torch.autograd.Function):
     def forward(ctx, bias, weight, sr, p, seed, rows):
         ids, has_rows, lo, hi, threshold, scale, masked = _draw_args(seed, p, rows)
         m = weight.shape[0]
-        wt = weight.detach().t().contiguous().numpy()  # (width, m): a non-zero's row of products
-        b = np.zeros(m, np.float32) if bias is None else bias.detach().contiguous().numpy()
+        # a bfloat16 input's product takes its weights rounded to bfloat16, as sparse.linear does
+        like = torch.empty(0, dtype=sr.dtype)
+        w = cast_like(like, weight.detach()).float()
+        wt = w.t().contiguous().numpy()  # (width, m): a non-zero's row of products
+        b = np.zeros(m, np.float32) if bias is None else cast_like(like, bias.detach()).float().contiguous().numpy()
         out = workspace.empty((sr.num_rows, m), torch.float32)
         sync_numba_threads()
         _forward(sr.indptr, sr.cols, sr.vals, ids, has_rows, np.int64(sr.width), wt, b, out.numpy(), lo, hi,
                  threshold, scale, masked)  # fmt: skip
         ctx.sr, ctx.p, ctx.seed, ctx.rows = sr, p, seed, rows
-        return out
+        return out if sr.dtype == torch.float32 else out.to(sr.dtype)  # summed in float32, rounded once
 
     @staticmethod
     def backward(ctx, g):
         need_b, need_w = ctx.needs_input_grad[:2]
-        g = g.contiguous()
+        g = g.float().contiguous()  # a bfloat16 gradient widens exactly; weight gradients in float32
         gw = None
         if need_w:
             sr = ctx.sr
@@ -183,7 +191,9 @@ def sparse_dropout_linear(
 ) -> torch.Tensor:
     """``linear(dropout(x, p, rows=rows), weight, bias)`` for the matrix ``x`` whose non-zeros are
     ``sr`` (``p`` = 0: no dropout, no draw), drawing the seed where :func:`~tessera.sparse.dropout`
-    draws it. Float32 ``weight`` and ``bias``; ``x`` gets no gradient."""
+    draws it. Float32 ``weight`` and ``bias``; ``x`` gets no gradient. Over a bfloat16 ``x`` the
+    output is bfloat16 (float32 sums rounded once) and the dropped values are not rounded to
+    bfloat16 before their products (exact at p = 0.5)."""
     if weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
         raise ValueError("sparse_dropout_linear takes float32 weights")
     if weight.dim() != 2 or weight.shape[1] != sr.width:
