@@ -24,7 +24,6 @@ import torch
 from tessera import workspace
 from tessera.bfloat16 import BF16
 from tessera.sparse.dropout import draw_seed, element_kept, keep_threshold
-from tessera.sparse.linear import cast_like
 from tessera.threads import sync_numba_threads
 
 #: the largest fraction of non-zeros taken on this path; denser inputs stay dense. At 5 % the
@@ -72,9 +71,9 @@ _memo: dict[int, tuple[weakref.ref, int, SparseRows | None]] = {}
 def sparse_rows(x: torch.Tensor) -> SparseRows | None:
     """``x``'s non-zeros when it is a float32 or bfloat16 CPU matrix that needs no gradient and is
     at most :data:`MAX_DENSITY` non-zero, else None; found once per tensor and version."""
-    if x.requires_grad or x.dtype not in (torch.float32, BF16) or x.device.type != "cpu" or x.dim() != 2:
+    if x.requires_grad or x.dtype not in (torch.float32, BF16) or x.device.type != "cpu":
         return None
-    if not x.numel():
+    if x.dim() != 2 or not x.numel():
         return None
     key = id(x)
     hit = _memo.get(key)
@@ -154,10 +153,8 @@ class _SparseDropoutLinear(torch.autograd.Function):
         ids, has_rows, lo, hi, threshold, scale, masked = _draw_args(seed, p, rows)
         m = weight.shape[0]
         # a bfloat16 input's product takes its weights rounded to bfloat16, as sparse.linear does
-        like = torch.empty(0, dtype=sr.dtype)
-        w = cast_like(like, weight.detach()).float()
-        wt = w.t().contiguous().numpy()  # (width, m): a non-zero's row of products
-        b = np.zeros(m, np.float32) if bias is None else cast_like(like, bias.detach()).float().contiguous().numpy()
+        wt = weight.detach().to(sr.dtype).float().t().contiguous().numpy()  # (width, m): a non-zero's row
+        b = np.zeros(m, np.float32) if bias is None else bias.detach().to(sr.dtype).float().numpy()
         out = workspace.empty((sr.num_rows, m), torch.float32)
         sync_numba_threads()
         _forward(sr.indptr, sr.cols, sr.vals, ids, has_rows, np.int64(sr.width), wt, b, out.numpy(), lo, hi,
