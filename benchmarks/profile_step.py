@@ -34,7 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _graphdata  # noqa: E402
 import _peers  # noqa: E402
 
-PRODUCTS = ("aten::mm", "aten::addmm", "aten::addmm_", "mkldnn::_linear_pointwise", "mkldnn::_convolution_pointwise_")
+PRODUCTS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::addmm_",
+    "mkldnn::_linear_pointwise",
+    "mkldnn::_convolution_pointwise_",
+    "aten::convolution_backward",
+)
 AGGREGATION = ("AggregateFn", "AggregateFnBackward")
 FUSED = ("_LinearAct", "_LinearActBackward", "_ActDropout", "_ActDropoutBackward", "_Dropout", "_DropoutBackward")
 
@@ -47,6 +54,8 @@ def _product_flops(name: str, shapes: list[list[int]]) -> float:
         (m, k), (_, n) = shapes[1], shapes[2]
     elif name == "mkldnn::_linear_pointwise":
         (m, k), (n, _) = shapes[0], shapes[1]
+    elif name == "aten::convolution_backward":  # a weight gradient: 1 x N x M x 1 and 1 x K x M x 1 images
+        m, k, n = shapes[0][2], shapes[1][1], shapes[0][1]
     else:  # a 1 x K x N x 1 image (the rows as pixels) times an out x K x 1 x 1 kernel
         m, k, n = shapes[1][2], shapes[1][1], shapes[2][0]
     return 2.0 * m * k * n

@@ -128,7 +128,9 @@ def test_every_path_gives_torchs_values_and_gradients(path):
     want_y, want_acc = F.linear(x, w, b), acc0 + F.linear(x, w)
     (want_y * g).sum().add((want_acc * g).sum()).backward()
     for a, e in zip(got, [want_y.detach(), want_acc.detach(), x.grad, w.grad, b.grad], strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-4)
+        # the weight gradient may be a sum over row chunks (tessera.sparse.chunk_gemm): its rounding
+        # is that of a sum of 3000 products, relative to its largest entries
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=max(1e-4, 2e-6 * float(e.abs().max())))
 
 
 def test_linear_split_equals_one_product_per_weight(path):
@@ -177,19 +179,20 @@ def _ranks_that_would_decide_apart(rank, world, port, out):
     set_num_threads(1)
     # each rank measuring by itself, as ranks started on an empty cache do, and timing differently
     gemm_path._decide = lambda key: gemm_path.PATHS[1 - rank]  # rank 0: onednn_kept, rank 1: mkl
+    gemm_path._decide_chunks = lambda key: gemm_path.CHUNK_LIBRARIES[1 - rank]  # rank 0: onednn, rank 1: mkl
     comm = init_from_env(120)
     try:
         cfg = TrainConfig(dataset="synthetic:tiny", epochs=2, out=str(Path(out) / str(rank)), progress=False)
         Trainer(cfg, load("synthetic:tiny"), comm).fit()
-        (Path(out) / f"path-{rank}").write_text(gemm_path.gemm_path())
+        (Path(out) / f"path-{rank}").write_text(f"{gemm_path.gemm_path()} {gemm_path.chunk_library()}")
     finally:
         shutdown()
 
 
-def test_a_distributed_run_takes_rank_0s_path_on_every_rank(tmp_path):
+def test_a_distributed_run_takes_rank_0s_path_and_chunk_library_on_every_rank(tmp_path):
     if not gemm_path.onednn_usable():
         pytest.skip("this torch build has no oneDNN ops")
     from tessera.cli.launch import free_port
 
     spawn_with_retry(_ranks_that_would_decide_apart, (2, free_port(), str(tmp_path)), 2)
-    assert [(tmp_path / f"path-{r}").read_text() for r in (0, 1)] == ["onednn_kept", "onednn_kept"]
+    assert [(tmp_path / f"path-{r}").read_text() for r in (0, 1)] == ["onednn_kept onednn"] * 2

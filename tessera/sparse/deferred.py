@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tessera.memo import PlanCache
-from tessera.sparse import widened
+from tessera.sparse import chunk_gemm
 
 
 class Owed:
@@ -62,14 +62,22 @@ def owe(owed: Owed, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor) -> torch.
     return owed.stand_in
 
 
+def prepared(
+    terms: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The owed terms ``(g_k, w_k)`` as :func:`owed_rows` reads them: ``g_k`` contiguous, ``w_k``
+    in ``dtype`` and transposed (contiguous), once per backward rather than once per chunk."""
+    return [(go.contiguous(), wo.to(dtype).t().contiguous()) for go, wo in terms]
+
+
 def owed_rows(
     out: torch.Tensor, terms: list[tuple[torch.Tensor, torch.Tensor]], r0: int, r1: int, g: torch.Tensor | None
 ) -> torch.Tensor:
     """Rows ``r0:r1`` of ``sum_k g_k @ w_k`` (plus ``g``, those rows of the rest of the gradient,
-    when given) into ``out``."""
-    for k, (go, wo) in enumerate(terms):
+    when given) into ``out``, for ``terms`` as :func:`prepared` returns them."""
+    for k, (go, wo_t) in enumerate(terms):
         if k == 0:
-            widened.mm(go[r0:r1], wo, out=out)
+            chunk_gemm.product(out, go[r0:r1], wo_t)
         else:
-            widened.addmm_(out, go[r0:r1], wo)
+            chunk_gemm.add_product_(out, go[r0:r1], wo_t)
     return out if g is None else out.add_(g)

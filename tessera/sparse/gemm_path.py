@@ -21,6 +21,13 @@ it is clearly faster than the best kept one. The decision is kept on disk
 count and preloaded allocator, so every process on the machine uses the same library and gets the
 same arithmetic. The ranks of a distributed run, which may all start before any decision is on
 disk and would then each measure (with each other's load), take rank 0's (:func:`adopt`).
+
+The fused nodes (:mod:`~tessera.sparse.linear_act`, :mod:`~tessera.sparse.dropout_linear`) multiply
+row chunks of a few megabytes, where the libraries rank differently: on an AVX2-only Zen 3 MKL was
+20-40 % faster than oneDNN there, while on an AVX-512 Zen 5 MKL's AMD kernels ran them at 200-220
+GFLOP/s against oneDNN's 340-490 (2 threads, ``benchmarks/RESULTS.md`` session 29). So the library
+for chunks (:func:`chunk_library`) is a second decision, measured on a fused layer's chunk shapes and
+kept beside the first.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -43,6 +50,8 @@ from tessera.files import default_cache_dir, write_json
 
 GemmPath = Literal["mkl", "onednn_kept", "onednn"]
 PATHS: tuple[GemmPath, ...] = ("mkl", "onednn_kept", "onednn")
+ChunkLibrary = Literal["mkl", "onednn"]
+CHUNK_LIBRARIES: tuple[ChunkLibrary, ...] = ("mkl", "onednn")
 _MKLDNN = getattr(torch.ops, "mkldnn", None)
 _LP = getattr(_MKLDNN, "_linear_pointwise", None)
 _CONV_ = getattr(getattr(_MKLDNN, "_convolution_pointwise_", None), "binary", None)
@@ -53,12 +62,19 @@ _VERSION = 2
 # and faulted in as a training step's are.
 _PROBE = ((70_000, 128, 256), (70_000, 256, 128))
 _REPS = 3
+# The chunk probe: a fused layer's forward chunk (4096 x 128 times 128 x 256) and input-gradient
+# chunk (1024 x 256 times 256 x 128) products, and a weight-gradient chunk (256 x 128 over 1024 rows)
+_CHUNK_PROBE = ((4096, 128, 256), (1024, 256, 128))
+_CHUNK_WEIGHT_PROBE = (1024, 256, 128)
+_CHUNK_REPS = 15
 # A fresh output must beat the best kept one by this factor: a near tie goes to the kept blocks,
 # which also keep a steady step from mapping new memory.
 _MARGIN = 0.9
 _lock = threading.Lock()
 _chosen: dict[str, GemmPath] = {}
 _forced: list[GemmPath] = []
+_chosen_chunks: dict[str, ChunkLibrary] = {}
+_forced_chunks: list[ChunkLibrary] = []
 
 
 @functools.cache
@@ -72,7 +88,8 @@ def onednn_usable() -> bool:
         a, w, b = torch.arange(15.0).view(5, 3).sin(), torch.arange(12.0).view(4, 3).cos(), torch.arange(4.0)
         want = a @ w.t() + b
         got = [_LP(a, w, b, "none", [], ""), onednn_add_(torch.zeros(5, 4), a, w, b)]
-        return all(bool(torch.allclose(t, want, rtol=1e-5, atol=1e-6)) for t in got)
+        pairs = [(t, want) for t in got] + [(onednn_weight_grad(want, a), want.t() @ a)]
+        return all(bool(torch.allclose(t, ref, rtol=1e-5, atol=1e-5)) for t, ref in pairs)
     except (RuntimeError, NotImplementedError):
         return False
 
@@ -103,6 +120,18 @@ def onednn_add_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Te
         None, [], None,
     )  # fmt: skip
     return out
+
+
+def onednn_weight_grad(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``d.T @ x`` on oneDNN, into a fresh tensor: the weight gradient of the 1x1 convolution
+    :func:`onednn_add_` runs (``d`` and ``x`` contiguous, with the same rows, every dimension above 1)."""
+    o, k = d.shape[1], x.shape[1]
+    shape_only = torch.zeros((), dtype=x.dtype).expand(o, k, 1, 1)  # the backward reads only its shape
+    grads = torch.ops.aten.convolution_backward(
+        _rows_as_pixels(d), _rows_as_pixels(x), shape_only, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+        [False, True, False],
+    )  # fmt: skip
+    return grads[1].view(o, k)
 
 
 def kept_onednn_fits(a: torch.Tensor, w: torch.Tensor) -> bool:
@@ -160,21 +189,43 @@ def gemm_path() -> GemmPath:
 def decided() -> GemmPath:
     """This CPU's path whatever :func:`forced` says: remembered, read from disk, or measured and
     written there."""
+    return _remembered(_chosen, _decide)
+
+
+def chunk_library() -> ChunkLibrary:
+    """``"mkl"`` or ``"onednn"``: the library for the fused nodes' row-chunk products on this CPU,
+    torch, thread count and allocator: forced, or :func:`decided_chunks`."""
+    return _forced_chunks[-1] if _forced_chunks else decided_chunks()
+
+
+def decided_chunks() -> ChunkLibrary:
+    """This CPU's chunk library whatever :func:`forced_chunks` says: remembered, read from disk, or
+    measured and written there."""
+    return _remembered(_chosen_chunks, _decide_chunks)
+
+
+def _remembered(memo: dict[str, str], decide: Callable[[str], str]) -> str:
+    """``memo``'s answer for this CPU, torch, thread count and allocator, from ``decide`` the first
+    time (MKL, without deciding, where oneDNN is not usable)."""
     if not onednn_usable():
         return "mkl"
     key = _key()
     with _lock:
-        if key not in _chosen:
-            _chosen[key] = _decide(key)
-        return _chosen[key]
+        if key not in memo:
+            memo[key] = decide(key)
+        return memo[key]
 
 
-def adopt(path: GemmPath) -> None:
-    """Answer ``path`` from now on for this process's CPU, torch, thread count and allocator (a
-    distributed run's ranks adopt rank 0's decision)."""
+def adopt(path: GemmPath, chunks: ChunkLibrary | None = None) -> None:
+    """Answer ``path`` (and ``chunks`` for row chunks, when given) from now on for this process's
+    CPU, torch, thread count and allocator (a distributed run's ranks adopt rank 0's decisions)."""
     _check(path)
+    if chunks is not None and chunks not in CHUNK_LIBRARIES:
+        raise ValueError(f"unknown chunk library {chunks!r}; choose {', '.join(CHUNK_LIBRARIES)}")
     with _lock:
         _chosen[_key()] = path
+        if chunks is not None:
+            _chosen_chunks[_key()] = chunks
 
 
 def _check(path: str) -> None:
@@ -185,14 +236,25 @@ def _check(path: str) -> None:
 def _decide(key: str) -> GemmPath:
     if cpu_model().startswith("GenuineIntel"):
         return "mkl"
+    return _kept_on_disk(key, PATHS, lambda: choose(measure()))
+
+
+def _decide_chunks(key: str) -> ChunkLibrary:
+    if cpu_model().startswith("GenuineIntel"):
+        return "mkl"
+    return _kept_on_disk(f"{key}|chunks", CHUNK_LIBRARIES, lambda: choose_chunks(measure_chunks()))
+
+
+def _kept_on_disk(key: str, allowed: tuple[str, ...], decide: Callable[[], str]) -> str:
+    """The decision kept on disk under ``key``, else ``decide()``'s, written there."""
     try:
         disk = json.loads(cache_file().read_text())
     except (OSError, ValueError):
         disk = {}
     disk = disk if isinstance(disk, dict) else {}
-    if disk.get(key) in PATHS:
+    if disk.get(key) in allowed:
         return disk[key]
-    choice = choose(measure())
+    choice = decide()
     try:
         write_json(cache_file(), {**disk, key: choice})
     except OSError:
@@ -219,9 +281,7 @@ def measure(shapes: tuple[tuple[int, int, int], ...] = _PROBE) -> dict[GemmPath,
 def _time_shape(rows: int, k: int, n: int) -> dict[GemmPath, float]:
     """Median seconds of one product each way (the kept oneDNN way zeroing its block first, as a
     product does), the ways in turn, after one untimed round."""
-    # deterministic operands: no draw from torch's generator
-    a = torch.arange(rows * k, dtype=torch.float32).remainder_(7.0).view(rows, k)
-    w = torch.arange(n * k, dtype=torch.float32).remainder_(5.0).view(n, k)
+    a, w = _probe_operand(rows, k), _probe_operand(n, k)
     out = workspace.empty((rows, n))
     runs = {
         "mkl": lambda: torch.mm(a, w.t(), out=out),
@@ -236,6 +296,54 @@ def _time_shape(rows: int, k: int, n: int) -> dict[GemmPath, float]:
             if rep:
                 times[name].append(time.perf_counter() - t0)
     return {p: statistics.median(ts) for p, ts in times.items()}
+
+
+def choose_chunks(seconds: dict[ChunkLibrary, float]) -> ChunkLibrary:
+    """The library that ran the chunk probe faster (a tie goes to MKL)."""
+    return "onednn" if seconds["onednn"] < seconds["mkl"] else "mkl"
+
+
+def measure_chunks() -> dict[ChunkLibrary, float]:
+    """Seconds each library takes for the chunk probe's products (the oneDNN forward zeroing its
+    block first, as a chunk product does): medians over repetitions, summed over the shapes."""
+    runs: dict[ChunkLibrary, list] = {"mkl": [], "onednn": []}
+    for rows, k, n in _CHUNK_PROBE:
+        a, w, out = _probe_operand(rows, k), _probe_operand(n, k), torch.empty((rows, n))
+        runs["mkl"].append(lambda a=a, w=w, out=out: torch.mm(a, w.t(), out=out))
+        runs["onednn"].append(lambda a=a, w=w, out=out: onednn_add_(out.zero_(), a, w))
+    rows, o, k = _CHUNK_WEIGHT_PROBE
+    d, x, gw = _probe_operand(rows, o), _probe_operand(rows, k), torch.zeros((o, k))
+    runs["mkl"].append(lambda: gw.addmm_(d.t(), x))
+    runs["onednn"].append(lambda: gw.add_(onednn_weight_grad(d, x)))
+    total: dict[ChunkLibrary, float] = dict.fromkeys(CHUNK_LIBRARIES, 0.0)
+    for shape in range(len(runs["mkl"])):
+        times: dict[ChunkLibrary, list[float]] = {lib: [] for lib in CHUNK_LIBRARIES}
+        for rep in range(_CHUNK_REPS + 1):
+            for lib in CHUNK_LIBRARIES:
+                t0 = time.perf_counter()
+                runs[lib][shape]()
+                if rep:
+                    times[lib].append(time.perf_counter() - t0)
+        for lib in CHUNK_LIBRARIES:
+            total[lib] += statistics.median(times[lib])
+    return total
+
+
+def _probe_operand(rows: int, cols: int) -> torch.Tensor:
+    # deterministic: no draw from torch's generator
+    return torch.arange(rows * cols, dtype=torch.float32).remainder_(7.0).view(rows, cols)
+
+
+@contextmanager
+def forced_chunks(library: ChunkLibrary) -> Iterator[None]:
+    """Within this block, :func:`chunk_library` answers ``library`` (tests and benchmarks)."""
+    if library not in CHUNK_LIBRARIES:
+        raise ValueError(f"unknown chunk library {library!r}; choose {', '.join(CHUNK_LIBRARIES)}")
+    _forced_chunks.append(library)
+    try:
+        yield
+    finally:
+        _forced_chunks.pop()
 
 
 @contextmanager

@@ -3,7 +3,9 @@
 The forward and input-gradient products run the way :func:`~tessera.sparse.gemm_path.gemm_path`
 chose for this CPU: MKL or oneDNN into a kept :mod:`~tessera.workspace` block, or oneDNN into a
 fresh output where that measured clearly faster. The weight gradient (a reduction over all rows,
-a small output) stays on MKL. Other devices and dtypes use ``torch.nn.functional.linear``.
+a small output) is :func:`~tessera.sparse.chunk_gemm.weight_grad`: a sum over row chunks on oneDNN
+where the chunk library is oneDNN, else one product on MKL. Other devices and dtypes use
+``torch.nn.functional.linear``.
 
 bfloat16 inputs (``--precision bf16``) multiply float32 weights as ``torch.autocast`` does: the
 weights are cast to bfloat16 (the cast is part of the graph, so their gradients arrive in float32),
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from tessera import workspace
 from tessera.bfloat16 import BF16
-from tessera.sparse import widened
+from tessera.sparse import chunk_gemm, widened
 from tessera.sparse.deferred import owe, owed_to
 from tessera.sparse.gemm_path import gemm_path, kept_onednn_fits, onednn_add_, onednn_product
 from tessera.sparse.sparsity import sparse_rows
@@ -67,14 +69,14 @@ def _grads(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | No
     gw = None
     if ctx.needs_input_grad[2]:
         # When most rows of g are zero (a loss on the training vertices only), the weight
-        # gradient, a reduction over rows on MKL, needs only the others. The input gradient
+        # gradient, a reduction over rows, needs only the others. The input gradient
         # stays one product: scattering its live rows into zeros measured slower.
         live = sparse_rows(g)
         if live is None:
-            gw = widened.mm(g.t(), x)
+            gw = chunk_gemm.weight_grad(g, x)
         else:
             rows = torch.from_numpy(np.flatnonzero(live))
-            gw = widened.mm(g.index_select(0, rows).t(), x.index_select(0, rows))
+            gw = chunk_gemm.weight_grad(g.index_select(0, rows), x.index_select(0, rows))
     return gx, gw
 
 
@@ -139,7 +141,7 @@ class _LinearSplit(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             owed = owed_to(x)
             gx = _mm_t(g, w.t()) if owed is None else owe(owed, x, g, w)
-        gw = widened.mm(g.t(), x) if any(ctx.needs_input_grad[1:]) else None
+        gw = chunk_gemm.weight_grad(g, x) if any(ctx.needs_input_grad[1:]) else None
         return gx, *(gw.split(ctx.widths) if gw is not None else [None] * len(ctx.widths))
 
 

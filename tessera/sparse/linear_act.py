@@ -27,15 +27,17 @@ import torch
 
 from tessera import workspace
 from tessera.bfloat16 import BF16
-from tessera.sparse import widened
-from tessera.sparse.deferred import Owed, accept, owed_rows
+from tessera.sparse import chunk_gemm
+from tessera.sparse.deferred import Owed, accept, owed_rows, prepared
 from tessera.sparse.dropout import ACT_MODES, act_dropout, draw_seed, keep_threshold, run_hashed
 from tessera.sparse.linear import cast_like, linear, linear_add_
 
-CHUNK_BYTES = 1 << 20
-# The forward's products run on chunks 4x as large: 1 MB ones measured 17 % slower
-# (500 k x 100 times 100 x 256 with ReLU and dropout, AMD EPYC Zen 3, 2 threads: 0.39 s against 0.33 s)
-FORWARD_CHUNK_BYTES = 4 << 20
+# Rows per chunk, both ways: 4 MB of the output. Forward chunks of 1 MB measured 17 % slower (500 k x
+# 100 times 100 x 256 with ReLU and dropout, AMD EPYC Zen 3, 2 threads: 0.39 s against 0.33 s);
+# backward ones of 1 / 2 / 4 / 8 MB gave arxiv-sized SAGE steps of 288 / 263 / 245 / 277 ms and GIN
+# steps of 545 / 511 / 502 / 539 ms with oneDNN chunk products (AMD EPYC Zen 5), and were within
+# noise of each other with MKL's on the Zen 3.
+CHUNK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -100,21 +102,16 @@ class _LinearAct(torch.autograd.Function):
         forward_mode, ctx.grad_mode = ACT_MODES[act]
         # Row chunks: each chunk's pre-activation is formed in cache and passed through the
         # activation and dropout there, so no N x F pre-activation block is written or read.
-        step = workspace.chunk_rows(width, y.element_size(), n, FORWARD_CHUNK_BYTES)
+        step = workspace.chunk_rows(width, y.element_size(), n, CHUNK_BYTES)
         z_buf = torch.empty((step, width), dtype=dt)
         ids = rows if rows is not None else torch.arange(n, dtype=torch.int64)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             z = z_buf[: r1 - r0]
-            # bias added by the first product, then the others added into it, as _product does; on
-            # MKL, which on blocks this size measured faster than oneDNN's zeroed in-place product
-            # (products-sized GCN layer, AMD EPYC Zen 3: 0.33 s against 0.43 s)
-            if b is None:
-                widened.mm(cs[0][r0:r1], ws[0].t(), out=z)
-            else:
-                widened.addmm(b, cs[0][r0:r1], ws[0].t(), out=z)
+            # bias added by the first product, then the others added into it, as _product does
+            chunk_gemm.product(z, cs[0][r0:r1], ws[0], b)
             for x, w in zip(cs[1:], ws[1:]):
-                widened.addmm_(z, x[r0:r1], w.t())
+                chunk_gemm.add_product_(z, x[r0:r1], w)
             run_hashed(z, y[r0:r1], seed, p, ids[r0:r1], forward_mode)
         ctx.p, ctx.seed, ctx.rows, ctx.n_in, ctx.owed = p, seed, rows, n_in, owed
         # ReLU's backward reads only whether each output is positive (dropped ones are zero)
@@ -147,8 +144,9 @@ class _LinearAct(torch.autograd.Function):
         d_buf = torch.empty((step, width), dtype=dt)
         g_buf = torch.empty((step, width), dtype=dt) if owed else None
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
-        wds = [w.to(dt).contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
-        owed = [(go, wo.to(dt).contiguous()) for go, wo in owed]
+        # transposed once: each chunk's input gradient is d @ W, a product by (W^T)^T
+        wts = [w.to(dt).t().contiguous() if gx is not None else None for w, gx in zip(weights, gxs)]
+        owed = prepared(owed, dt)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             d = d_buf[: r1 - r0]
@@ -158,16 +156,11 @@ class _LinearAct(torch.autograd.Function):
             run_hashed(src, d, ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=y[r0:r1])
             if gb is not None:
                 gb += d.sum(0)  # bfloat16 rows are summed in float32 and rounded once (15x faster than dtype=)
-            for x, wd, gx, gw in zip(xs, wds, gxs, gws):
-                if gw is not None and half:  # no mixed-dtype addmm on CPU: each chunk's product rounded once
-                    gw += widened.mm(d.t(), x[r0:r1])
-                elif gw is not None:
-                    gw.addmm_(d.t(), x[r0:r1])
+            for x, wt, gx, gw in zip(xs, wts, gxs, gws):
+                if gw is not None:
+                    chunk_gemm.add_weight_grad_(gw, d, x[r0:r1])
                 if gx is not None:
-                    # on MKL, whatever the whole products' path: on row chunks this size it
-                    # measured 20-40 % faster than oneDNN's zeroed in-place product (AMD EPYC Zen 3,
-                    # 2 threads, 169 k rows in 1024-row chunks, 256 -> 256: 0.20 s against 0.27 s)
-                    widened.mm(d, wd, out=gx[r0:r1])
+                    chunk_gemm.product(gx[r0:r1], d, wt)
         return (gb, None, None, None, None, None, None, None, *gxs, *gws)
 
 

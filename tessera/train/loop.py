@@ -69,12 +69,15 @@ def default_out_dir(cfg: TrainConfig) -> Path:
 
 
 def _agree_gemm_path(comm: Comm) -> None:
-    """Every rank runs its dense products on rank 0's decided GEMM path (measured there if not yet
-    known); a path forced for a block is not adopted beyond it."""
-    mine = gemm_path.PATHS.index(gemm_path.decided()) if comm.rank == 0 else -1
-    choice = comm.broadcast(torch.tensor([mine], dtype=torch.int64, device=comm.device))
+    """Every rank runs its dense products on rank 0's decided GEMM path and chunk library (measured
+    there if not yet known); a path forced for a block is not adopted beyond it."""
+    mine = [-1, -1]
+    if comm.rank == 0:
+        mine = [gemm_path.PATHS.index(gemm_path.decided()), gemm_path.CHUNK_LIBRARIES.index(gemm_path.decided_chunks())]
+    choice = comm.broadcast(torch.tensor(mine, dtype=torch.int64, device=comm.device))
     if comm.rank != 0:
-        gemm_path.adopt(gemm_path.PATHS[int(choice.item())])
+        path, chunks = choice.tolist()
+        gemm_path.adopt(gemm_path.PATHS[path], gemm_path.CHUNK_LIBRARIES[chunks])
 
 
 class Trainer:

@@ -1,0 +1,70 @@
+"""The products of the fused nodes' row chunks, on this CPU's :func:`~tessera.sparse.gemm_path.chunk_library`.
+
+A fused node (:mod:`~tessera.sparse.linear_act`, :mod:`~tessera.sparse.dropout_linear`,
+:mod:`~tessera.sparse.deferred`'s owed products) walks its rows a few megabytes at a time and
+multiplies each chunk by a small weight. float32 chunks go to oneDNN where it measured faster on
+such blocks (into the chunk's own buffer, through :func:`~tessera.sparse.gemm_path.onednn_add_`,
+and the weight gradient through :func:`~tessera.sparse.gemm_path.onednn_weight_grad`); others to
+:mod:`~tessera.sparse.widened`'s products (MKL, or bfloat16 ones).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera import workspace
+from tessera.sparse import widened
+from tessera.sparse.gemm_path import chunk_library, kept_onednn_fits, onednn_add_, onednn_weight_grad
+
+# bytes of the gradient per product of a whole weight gradient's row chunks: oneDNN ran them at
+# 238-324 GFLOP/s where one product over all 169 k rows ran at 114-220 and MKL's at 131-203
+# (widths 40 to 256 by 128 to 256, AMD EPYC Zen 5, 2 threads; benchmarks/RESULTS.md session 29)
+WEIGHT_GRAD_BYTES = 640 << 10
+
+
+def _onednn(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in ts) and chunk_library() == "onednn"
+
+
+def product(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = a @ w.T + bias`` (``out`` a contiguous block of rows, ``w`` shaped ``(out's width, a's width)``)."""
+    if _onednn(out, a, w) and out.is_contiguous() and kept_onednn_fits(a, w):
+        return onednn_add_(out.zero_(), a, w, bias)
+    return widened.mm(a, w.t(), out=out) if bias is None else widened.addmm(bias, a, w.t(), out=out)
+
+
+def add_product_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``out += a @ w.T`` in place."""
+    if _onednn(out, a, w) and out.is_contiguous() and kept_onednn_fits(a, w):
+        return onednn_add_(out, a, w)
+    return widened.addmm_(out, a, w.t())
+
+
+def _onednn_weight_grad_fits(d: torch.Tensor, x: torch.Tensor) -> bool:
+    return d.is_contiguous() and x.is_contiguous() and min(d.shape[0], d.shape[1], x.shape[1]) > 1
+
+
+def add_weight_grad_(gw: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``gw += d.T @ x`` in place (``d`` and ``x`` the same rows; float32 ``gw``)."""
+    if _onednn(gw, d, x) and _onednn_weight_grad_fits(d, x):
+        return gw.add_(onednn_weight_grad(d, x))
+    if d.dtype != gw.dtype:  # no mixed-dtype addmm on CPU: the chunk's product rounded once
+        return gw.add_(widened.mm(d.t(), x))
+    return gw.addmm_(d.t(), x)
+
+
+def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g.T @ x`` over all rows: on oneDNN a sum over row chunks, on which it runs at full
+    speed; else one product."""
+    if not (_onednn(g, x) and _onednn_weight_grad_fits(g, x)):
+        return widened.mm(g.t(), x)
+    n = g.shape[0]
+    step = workspace.chunk_rows(g.shape[1], g.element_size(), n, WEIGHT_GRAD_BYTES)
+    gw = onednn_weight_grad(g[:step], x[:step])
+    for r0 in range(step, n, step):
+        r1 = min(n, r0 + step)
+        if r1 - r0 > 1:
+            gw.add_(onednn_weight_grad(g[r0:r1], x[r0:r1]))
+        else:
+            gw.addmm_(g[r0:r1].t(), x[r0:r1])
+    return gw
