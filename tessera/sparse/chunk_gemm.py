@@ -19,7 +19,7 @@ from tessera.sparse.gemm_path import chunk_library, kept_onednn_fits, onednn_add
 # bytes of the gradient per product of a whole weight gradient's row chunks: oneDNN ran them at
 # 238-324 GFLOP/s where one product over all 169 k rows ran at 114-220 and MKL's at 131-203
 # (widths 40 to 256 by 128 to 256, AMD EPYC Zen 5, 2 threads; benchmarks/RESULTS.md session 29)
-WEIGHT_GRAD_BYTES = 640 << 10
+WEIGHT_GRAD_BYTES = 4 << 20
 
 
 def _onednn(*ts: torch.Tensor) -> bool:
