@@ -18,6 +18,15 @@ oneDNN bf16 GEMM into a kept output, and float32 products over widened chunks
 of the two tessera takes on this CPU.
 
     python benchmarks/bench_dense.py --threads 2 --bf16
+
+``--chunks`` prints instead the products of the fused nodes' row chunks
+(``tessera.sparse.chunk_gemm``, chunks of ``tessera.sparse.linear_act.CHUNK_BYTES`` of the wider
+side) on each chunk library: the forward ``x W^T + b`` and input gradient ``g W`` into a kept
+chunk, the weight gradient ``g^T x`` added into its accumulator, and a whole weight gradient over
+every row (MKL's one product against oneDNN's sum over row chunks); and the library
+``tessera.sparse.gemm_path.chunk_library`` chose on this machine.
+
+    python benchmarks/bench_dense.py --threads 2 --chunks
 """
 
 from __future__ import annotations
@@ -27,9 +36,19 @@ import argparse
 import torch
 from _runner import median_s
 
-from tessera.sparse import widened
-from tessera.sparse.gemm_path import cpu_model, gemm_path, onednn_add_, onednn_product, onednn_usable
+from tessera.sparse import chunk_gemm, widened
+from tessera.sparse.gemm_path import (
+    CHUNK_LIBRARIES,
+    chunk_library,
+    cpu_model,
+    forced_chunks,
+    gemm_path,
+    onednn_add_,
+    onednn_product,
+    onednn_usable,
+)
 from tessera.sparse.linear import mm_into_
+from tessera.sparse.linear_act import CHUNK_BYTES
 from tessera.threads import set_num_threads
 
 
@@ -101,6 +120,32 @@ def bf16_rows(rows: int, fi: int, fo: int, repeats: int) -> None:
         )
 
 
+def chunk_rows_table(rows: int, fi: int, fo: int, repeats: int) -> None:
+    """Print the chunk-product rows of one ``fi -> fo`` layer, per chunk library."""
+    step = min(rows, CHUNK_BYTES // (4 * max(fi, fo)))
+    x, w, b, g = torch.randn(rows, fi), torch.randn(fo, fi), torch.randn(fo), torch.randn(rows, fo)
+    wt = w.t().contiguous()
+    xc, gc = x[:step].contiguous(), g[:step].contiguous()
+    y, gx, gw = torch.empty(step, fo), torch.empty(step, fi), torch.zeros(fo, fi)
+    chunk_flops, whole_flops = 2.0 * step * fi * fo, 2.0 * rows * fi * fo
+    cases = {
+        f"forward chunk x W^T + b, {step}x{fi} . {fi}x{fo}": (lambda: chunk_gemm.product(y, xc, w, b), chunk_flops),
+        f"input-grad chunk g W, {step}x{fo} . {fo}x{fi}": (lambda: chunk_gemm.product(gx, gc, wt), chunk_flops),
+        f"weight-grad chunk g^T x, {fo}x{step} . {step}x{fi}": (
+            lambda: chunk_gemm.add_weight_grad_(gw, gc, xc),
+            chunk_flops,
+        ),
+        f"whole weight grad g^T x, {fo}x{rows} . {rows}x{fi}": (lambda: chunk_gemm.weight_grad(g, x), whole_flops),
+    }
+    for name, (fn, flops) in cases.items():
+        cells = []
+        for lib in CHUNK_LIBRARIES if onednn_usable() else CHUNK_LIBRARIES[:1]:
+            with forced_chunks(lib):
+                t = median_s(fn, repeats)
+            cells.append(f"{1e3 * t:.2f} | {flops / t / 1e9:.0f}")
+        print(f"| {name} | {' | '.join(cells + ['-- | --'] * (2 - len(cells)))} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the markdown table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -109,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--bf16", action="store_true", help="fp32 (kept output) vs bfloat16 products instead")
+    p.add_argument("--chunks", action="store_true", help="the fused nodes' row-chunk products per library instead")
     a = p.parse_args(argv)
     torch.manual_seed(0)
     set_num_threads(a.threads)
@@ -117,6 +163,14 @@ def main(argv: list[str] | None = None) -> None:
         f"tessera's GEMM path here: {gemm_path()}"
     )
     print()
+    if a.chunks:
+        print(f"chunk library tessera takes on this CPU: {chunk_library()}")
+        print()
+        print("| product | MKL ms | GFLOPS | oneDNN ms | GFLOPS |")
+        print("|---|---:|---:|---:|---:|")
+        for fi, fo in zip(a.dims[:-1], a.dims[1:], strict=False):
+            chunk_rows_table(a.rows, fi, fo, a.repeats)
+        return
     if a.bf16:
         taken = "oneDNN bf16" if widened.native_bf16() else "widened"
         print(f"bfloat16 products tessera takes on this CPU: {taken}")

@@ -135,12 +135,9 @@ class _LinearAct(torch.autograd.Function):
         dt = xs[0].dtype if g is None else g.dtype
         half = dt == BF16  # bfloat16 products: weight and bias gradients summed in float32
         gxs = [workspace.empty((n, x.shape[1]), x.dtype) if nx else None for x, nx in zip(xs, need_x)]
-        gws = [
-            torch.zeros_like(w, dtype=torch.float32 if half else w.dtype) if nw else None
-            for w, nw in zip(weights, need_w)
-        ]
         gb = torch.zeros(width, dtype=torch.float32 if half else dt) if need_b else None
         step = workspace.chunk_rows(width, torch.finfo(dt).bits // 8, n, CHUNK_BYTES)
+        gws = chunk_gemm.WeightGrads(list(xs), list(need_w), width, torch.float32 if half else weights[0].dtype, step)
         d_buf = torch.empty((step, width), dtype=dt)
         g_buf = torch.empty((step, width), dtype=dt) if owed else None
         ids = ctx.rows if ctx.rows is not None else torch.arange(n, dtype=torch.int64)
@@ -156,12 +153,11 @@ class _LinearAct(torch.autograd.Function):
             run_hashed(src, d, ctx.seed, ctx.p, ids[r0:r1], ctx.grad_mode, aux=y[r0:r1])
             if gb is not None:
                 gb += d.sum(0)  # bfloat16 rows are summed in float32 and rounded once (15x faster than dtype=)
-            for x, wt, gx, gw in zip(xs, wts, gxs, gws):
-                if gw is not None:
-                    chunk_gemm.add_weight_grad_(gw, d, x[r0:r1])
+            gws.add(d, r0, r1)
+            for wt, gx in zip(wts, gxs):
                 if gx is not None:
                     chunk_gemm.product(gx[r0:r1], d, wt)
-        return (gb, None, None, None, None, None, None, None, *gxs, *gws)
+        return (gb, None, None, None, None, None, None, None, *gxs, *gws.result())
 
 
 def linear_act(
