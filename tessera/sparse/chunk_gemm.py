@@ -16,9 +16,10 @@ from tessera import workspace
 from tessera.sparse import widened
 from tessera.sparse.gemm_path import chunk_library, kept_onednn_fits, onednn_add_, onednn_weight_grad
 
-# bytes of the gradient per product of a whole weight gradient's row chunks: oneDNN ran them at
-# 238-324 GFLOP/s where one product over all 169 k rows ran at 114-220 and MKL's at 131-203
-# (widths 40 to 256 by 128 to 256, AMD EPYC Zen 5, 2 threads; benchmarks/RESULTS.md session 29)
+# bytes of the gradient per product of a whole weight gradient's row chunks: over 169 k rows, oneDNN's
+# sums of 4 MB chunks ran at 156-299 GFLOP/s against MKL's one product at 130-187 (widths 40 to 256
+# by 128 to 256, AMD EPYC Zen 5, 2 threads, python benchmarks/bench_dense.py --chunks; larger and
+# smaller chunks, and one oneDNN product over every row, measured slower: RESULTS.md session 29)
 WEIGHT_GRAD_BYTES = 4 << 20
 
 
@@ -75,7 +76,7 @@ class WeightGrads:
     share each chunk's output gradient ``d``. Several inputs' chunks are copied side by side into
     one small block and take one product, which reads ``d`` once: SAGE's two 128-wide inputs
     (256 x 128 each over 4096-row chunks) took 57-58 ms a step this way against 73-74 ms for two
-    products (oneDNN, AMD EPYC Zen 5, 2 threads; benchmarks/RESULTS.md session 29)."""
+    products (oneDNN, AMD EPYC Zen 5, 2 threads; a scratch A/B in benchmarks/RESULTS.md session 29)."""
 
     def __init__(self, xs: list[torch.Tensor], needed: list[bool], width: int, dtype: torch.dtype, step: int) -> None:
         self.xs, self.widths = xs, [x.shape[1] for x in xs]

@@ -24,8 +24,9 @@ disk and would then each measure (with each other's load), take rank 0's (:func:
 
 The fused nodes (:mod:`~tessera.sparse.linear_act`, :mod:`~tessera.sparse.dropout_linear`) multiply
 row chunks of a few megabytes, where the libraries rank differently: on an AVX2-only Zen 3 MKL was
-20-40 % faster than oneDNN there, while on an AVX-512 Zen 5 MKL's AMD kernels ran them at 200-220
-GFLOP/s against oneDNN's 340-490 (2 threads, ``benchmarks/RESULTS.md`` session 29). So the library
+20-40 % faster than oneDNN there, while on an AVX-512 Zen 5 MKL's AMD kernels ran them at 109-208
+GFLOP/s against oneDNN's 219-437 (2 threads, ``python benchmarks/bench_dense.py --chunks``,
+``benchmarks/RESULTS.md`` session 29). So the library
 for chunks (:func:`chunk_library`) is a second decision, measured on a fused layer's chunk shapes and
 kept beside the first.
 """
