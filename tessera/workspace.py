@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import numpy as np
 import torch
@@ -137,9 +139,24 @@ class Workspace:
 
     def release(self) -> int:
         """Drop every free block (tensors in use keep theirs); returns the bytes dropped."""
+        return self._drop(lambda block: True)
+
+    @contextmanager
+    def transient(self) -> Iterator[None]:
+        """Within this block of code, the blocks it makes are dropped at its end once free: a
+        measured trial's outputs, made while the step's own blocks are in use, would otherwise be
+        held for the rest of the run (a products-sized GAT's first step kept a 747 MiB one)."""
+        before = set(self._starts)
+        try:
+            yield
+        finally:
+            self._drop(lambda block: block.ctypes.data not in before)
+
+    def _drop(self, which: Callable[[np.ndarray], bool]) -> int:
+        """Drop the free blocks ``which`` picks; returns the bytes dropped."""
         dropped = 0
         for key, blocks in self._blocks.items():
-            gone = [b for b in blocks if _free(b)]
+            gone = [b for b in blocks if which(b) and _free(b)]
             dropped += key[0] * len(gone)
             self._starts.difference_update(b.ctypes.data for b in gone)
             blocks[:] = [b for b in blocks if not any(b is g for g in gone)]
@@ -202,3 +219,8 @@ def holds(t: torch.Tensor) -> bool:
 def release() -> int:
     """:meth:`Workspace.release` on the process's workspace."""
     return DEFAULT.release()
+
+
+def transient() -> AbstractContextManager[None]:
+    """:meth:`Workspace.transient` on the process's workspace."""
+    return DEFAULT.transient()

@@ -222,3 +222,17 @@ def test_linear_add_accumulates_in_place_with_the_gradients_of_an_add():
     (base * 1.0 + F.linear(x, w)).backward(g)
     for a, t in zip(grads, (x, w, base)):
         torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_blocks_made_in_a_transient_scope_are_dropped_at_its_end_once_free():
+    ws = Workspace(min_bytes=0)
+    kept = ws.empty((64, 64))  # made before: stays, in use or not
+    before = ws.held_bytes()
+    with ws.transient():
+        trial = ws.empty((64, 64))  # a new block: the one before is in use
+        alive = ws.empty((32, 32))  # a new block still in use at the scope's end
+        del trial
+    assert ws.held_bytes() == before + alive.numel() * 4
+    del kept, alive
+    assert ws.release() == before + 32 * 32 * 4
+

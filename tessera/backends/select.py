@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tessera import workspace
 from tessera.backends.base import available_backends, get_backend
 from tessera.errors import ConfigError
 from tessera.files import atomic_write, default_cache_dir
@@ -189,7 +190,7 @@ def measure(
     # The inputs themselves, not detached copies: a backend treats a weight that requires grad
     # as changing every step, as it will in training, and keeps nothing derived from it.
     calls = {}
-    with torch.no_grad():
+    with torch.no_grad(), workspace.transient():
         for name in names:
             b = get_backend(name)
             fn = b.spmm_t if transposed else b.spmm

@@ -41,8 +41,19 @@ def add_product_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.T
     return widened.addmm_(out, a, w.t())
 
 
+# oneDNN's weight gradient is a fresh tensor per chunk: at most this many bytes (a 512 x 512 float32
+# weight), so that it stays in glibc's heap; a larger one (hidden 2560: 26 MB a chunk) was mapped and
+# page-faulted in anew for each chunk, and goes to MKL's in-place product instead
+FRESH_WEIGHT_GRAD_BYTES = 1 << 20
+
+
 def _onednn_weight_grad_fits(d: torch.Tensor, x: torch.Tensor) -> bool:
-    return d.is_contiguous() and x.is_contiguous() and min(d.shape[0], d.shape[1], x.shape[1]) > 1
+    return (
+        d.is_contiguous()
+        and x.is_contiguous()
+        and min(d.shape[0], d.shape[1], x.shape[1]) > 1
+        and d.shape[1] * x.shape[1] * 4 <= FRESH_WEIGHT_GRAD_BYTES
+    )
 
 
 def add_weight_grad_(gw: torch.Tensor, d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
