@@ -235,4 +235,3 @@ def test_blocks_made_in_a_transient_scope_are_dropped_at_its_end_once_free():
     assert ws.held_bytes() == before + alive.numel() * 4
     del kept, alive
     assert ws.release() == before + 32 * 32 * 4
-
