@@ -27,16 +27,21 @@ def _onednn(*ts: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 for t in ts) and chunk_library() == "onednn"
 
 
+def _onednn_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``out`` (+)= ``a @ w.T`` goes to oneDNN's in-place product."""
+    return _onednn(out, a, w) and out.is_contiguous() and kept_onednn_fits(a, w)
+
+
 def product(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out = a @ w.T + bias`` (``out`` a contiguous block of rows, ``w`` shaped ``(out's width, a's width)``)."""
-    if _onednn(out, a, w) and out.is_contiguous() and kept_onednn_fits(a, w):
+    if _onednn_into(out, a, w):
         return onednn_add_(out.zero_(), a, w, bias)
     return widened.mm(a, w.t(), out=out) if bias is None else widened.addmm(bias, a, w.t(), out=out)
 
 
 def add_product_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``out += a @ w.T`` in place."""
-    if _onednn(out, a, w) and out.is_contiguous() and kept_onednn_fits(a, w):
+    if _onednn_into(out, a, w):
         return onednn_add_(out, a, w)
     return widened.addmm_(out, a, w.t())
 

@@ -63,11 +63,12 @@ _VERSION = 2
 # and faulted in as a training step's are.
 _PROBE = ((70_000, 128, 256), (70_000, 256, 128))
 _REPS = 3
-# The chunk probe: a fused layer's forward chunk (4096 x 128 times 128 x 256) and input-gradient
-# chunk (1024 x 256 times 256 x 128) products, and a weight-gradient chunk (256 x 128 over 1024 rows)
-_CHUNK_PROBE = ((4096, 128, 256), (1024, 256, 128))
-_CHUNK_WEIGHT_PROBE = (1024, 256, 128)
-_CHUNK_REPS = 15
+# The chunk probe: a fused layer's 4 MB chunks (linear_act.CHUNK_BYTES of a 256-wide output): the
+# forward (4096 x 128 times 128 x 256) and input-gradient (4096 x 256 times 256 x 128) products, and
+# a weight gradient (256 x 128 over 4096 rows)
+_CHUNK_PROBE = ((4096, 128, 256), (4096, 256, 128))
+_CHUNK_WEIGHT_PROBE = (4096, 256, 128)
+_CHUNK_REPS = 9
 # A fresh output must beat the best kept one by this factor: a near tie goes to the kept blocks,
 # which also keep a steady step from mapping new memory.
 _MARGIN = 0.9
@@ -221,17 +222,17 @@ def adopt(path: GemmPath, chunks: ChunkLibrary | None = None) -> None:
     """Answer ``path`` (and ``chunks`` for row chunks, when given) from now on for this process's
     CPU, torch, thread count and allocator (a distributed run's ranks adopt rank 0's decisions)."""
     _check(path)
-    if chunks is not None and chunks not in CHUNK_LIBRARIES:
-        raise ValueError(f"unknown chunk library {chunks!r}; choose {', '.join(CHUNK_LIBRARIES)}")
+    if chunks is not None:
+        _check(chunks, CHUNK_LIBRARIES, "chunk library")
     with _lock:
         _chosen[_key()] = path
         if chunks is not None:
             _chosen_chunks[_key()] = chunks
 
 
-def _check(path: str) -> None:
-    if path not in PATHS:
-        raise ValueError(f"unknown GEMM path {path!r}; choose {', '.join(PATHS)}")
+def _check(value: str, allowed: tuple[str, ...] = PATHS, what: str = "GEMM path") -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; choose {', '.join(allowed)}")
 
 
 def _decide(key: str) -> GemmPath:
@@ -289,14 +290,20 @@ def _time_shape(rows: int, k: int, n: int) -> dict[GemmPath, float]:
         "onednn_kept": lambda: onednn_add_(out.zero_(), a, w),
         "onednn": lambda: onednn_product(a, w),  # dropped at once, as a step drops its own
     }
-    times: dict[GemmPath, list[float]] = {p: [] for p in PATHS}
-    for rep in range(_REPS + 1):
+    return _medians(runs, _REPS)
+
+
+def _medians(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """Median seconds of each of ``runs`` over ``reps`` rounds, the runs in turn within a round
+    (so a slow spell of a shared machine falls on all of them), after one untimed round."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for rep in range(reps + 1):
         for name, fn in runs.items():
             t0 = time.perf_counter()
             fn()
             if rep:
                 times[name].append(time.perf_counter() - t0)
-    return {p: statistics.median(ts) for p, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def choose_chunks(seconds: dict[ChunkLibrary, float]) -> ChunkLibrary:
@@ -307,26 +314,20 @@ def choose_chunks(seconds: dict[ChunkLibrary, float]) -> ChunkLibrary:
 def measure_chunks() -> dict[ChunkLibrary, float]:
     """Seconds each library takes for the chunk probe's products (the oneDNN forward zeroing its
     block first, as a chunk product does): medians over repetitions, summed over the shapes."""
-    runs: dict[ChunkLibrary, list] = {"mkl": [], "onednn": []}
+    shapes = []
     for rows, k, n in _CHUNK_PROBE:
         a, w, out = _probe_operand(rows, k), _probe_operand(n, k), torch.empty((rows, n))
-        runs["mkl"].append(lambda a=a, w=w, out=out: torch.mm(a, w.t(), out=out))
-        runs["onednn"].append(lambda a=a, w=w, out=out: onednn_add_(out.zero_(), a, w))
+        shapes.append({
+            "mkl": lambda a=a, w=w, out=out: torch.mm(a, w.t(), out=out),
+            "onednn": lambda a=a, w=w, out=out: onednn_add_(out.zero_(), a, w),
+        })  # fmt: skip
     rows, o, k = _CHUNK_WEIGHT_PROBE
     d, x, gw = _probe_operand(rows, o), _probe_operand(rows, k), torch.zeros((o, k))
-    runs["mkl"].append(lambda: gw.addmm_(d.t(), x))
-    runs["onednn"].append(lambda: gw.add_(onednn_weight_grad(d, x)))
+    shapes.append({"mkl": lambda: gw.addmm_(d.t(), x), "onednn": lambda: gw.add_(onednn_weight_grad(d, x))})
     total: dict[ChunkLibrary, float] = dict.fromkeys(CHUNK_LIBRARIES, 0.0)
-    for shape in range(len(runs["mkl"])):
-        times: dict[ChunkLibrary, list[float]] = {lib: [] for lib in CHUNK_LIBRARIES}
-        for rep in range(_CHUNK_REPS + 1):
-            for lib in CHUNK_LIBRARIES:
-                t0 = time.perf_counter()
-                runs[lib][shape]()
-                if rep:
-                    times[lib].append(time.perf_counter() - t0)
-        for lib in CHUNK_LIBRARIES:
-            total[lib] += statistics.median(times[lib])
+    for runs in shapes:
+        for lib, t in _medians(runs, _CHUNK_REPS).items():
+            total[lib] += t
     return total
 
 
@@ -338,8 +339,7 @@ def _probe_operand(rows: int, cols: int) -> torch.Tensor:
 @contextmanager
 def forced_chunks(library: ChunkLibrary) -> Iterator[None]:
     """Within this block, :func:`chunk_library` answers ``library`` (tests and benchmarks)."""
-    if library not in CHUNK_LIBRARIES:
-        raise ValueError(f"unknown chunk library {library!r}; choose {', '.join(CHUNK_LIBRARIES)}")
+    _check(library, CHUNK_LIBRARIES, "chunk library")
     _forced_chunks.append(library)
     try:
         yield
