@@ -206,6 +206,12 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return DEFAULT.empty_like(t)
 
 
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when contiguous, else a contiguous copy of it in a workspace block: a strided
+    view that a kernel copies every step (one output of a stacked product) then maps no new pages."""
+    return t if t.is_contiguous() else DEFAULT.empty_like(t).copy_(t)
+
+
 def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:meth:`Workspace.zeros` on the process's workspace."""
     return DEFAULT.zeros(shape, dtype)

@@ -9,7 +9,7 @@ import torch
 
 from helpers import awkward_graph
 from tessera import sparse
-from tessera.backends import available_backends, select
+from tessera.backends import available_backends, get_backend, select
 from tessera.cli.main import main
 from tessera.graph.synthetic import generate
 
@@ -58,7 +58,7 @@ def test_measured_choice_is_the_fastest_and_is_reused_from_disk(cache, monkeypat
     monkeypatch.setattr(select, "measure", spy)
     x = torch.randn(g.num_nodes, 32)
     name = select.choose(g, x, None, "forward")
-    assert len(seen) == 1 and name == min(seen[0], key=seen[0].get)
+    assert len(seen) == 1 and name == select.pick(seen[0])
     assert select.choose(g, x, None, "forward") == name and len(seen) == 1  # memo
     stored = json.loads(cache.read_text())
     key = select.decision_key(g, 32, False, 1, "forward")
@@ -113,6 +113,27 @@ def test_kernels_command_reports_every_backend_and_the_choice(cache, capsys):
     assert "choice" in text and str(cache) in text
 
 
+def test_a_backend_that_keeps_an_entry_plan_must_win_by_the_margin():
+    assert get_backend("dense_block").keeps_entry_plan and not get_backend("csr").keeps_entry_plan
+    near = 1 + select._PLAN_MARGIN * 0.9
+    far = 1 + select._PLAN_MARGIN * 1.1
+    assert select.pick({"csr": 0.1 * near, "dense_block": 0.1, "reference": 0.5}) == "csr"
+    assert select.pick({"csr": 0.1 * far, "dense_block": 0.1, "reference": 0.5}) == "dense_block"
+    assert select.pick({"csr": 0.3, "dense_block": 0.1, "reference": 0.1 * near}) == "reference"
+    assert select.pick({"csr": 0.1, "dense_block": 0.2}) == "csr"
+    assert select.pick({"dense_block": 0.2}) == "dense_block"
+
+
+def test_a_stored_decision_is_taken_again_by_the_margin_rule(cache, monkeypatch):
+    # a cache written when the fastest always won: its times decide again, not its stored choice
+    g = generate("tiny", seed=0)
+    key = select.decision_key(g, 32, False, 1, "forward")
+    seconds = {"csr": 0.1003, "dense_block": 0.1, "reference": 0.4}
+    cache.write_text(json.dumps({key: {"choice": "dense_block", "seconds": seconds}}))
+    monkeypatch.setattr(select, "measure", lambda *a, **k: pytest.fail("measured a cached decision"))
+    assert select.choose(g, torch.randn(g.num_nodes, 32), None, "forward") == "csr"
+
+
 def test_kernels_command_choice_is_the_fastest_it_measured_and_is_stored(cache, capsys, monkeypatch):
     monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)  # big enough for auto to measure
     assert main(["kernels", "--dataset", "synthetic:tiny", "--width", "8,32", "--reps", "2", "--json"]) == 0
@@ -120,7 +141,7 @@ def test_kernels_command_choice_is_the_fastest_it_measured_and_is_stored(cache, 
     stored = json.loads(cache.read_text())
     g = generate("tiny", seed=0)
     for r in rows:
-        assert r["choice"] == min(r["seconds"], key=r["seconds"].get), r
+        assert r["choice"] == select.pick(r["seconds"]), r
         key = select.decision_key(g, r["width"], False, 1, r["direction"])
         assert stored[key]["choice"] == r["choice"] and stored[key]["seconds"] == r["seconds"]
 

@@ -224,6 +224,14 @@ def test_linear_add_accumulates_in_place_with_the_gradients_of_an_add():
         torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-4)
 
 
+def test_a_strided_view_is_copied_into_a_workspace_block():
+    t = torch.randn(4096, 192)
+    assert workspace.contiguous(t) is t
+    left = t[:, :96]  # one output of a stacked product, as SAGE's split projection gives
+    c = workspace.contiguous(left)
+    assert c.is_contiguous() and workspace.holds(c) and torch.equal(c, left)
+
+
 def test_blocks_made_in_a_transient_scope_are_dropped_at_its_end_once_free():
     ws = Workspace(min_bytes=0)
     kept = ws.empty((64, 64))  # made before: stays, in use or not

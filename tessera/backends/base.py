@@ -56,6 +56,9 @@ class Backend(ABC):
     efficiency: ClassVar[float] = 0.5
     #: fixed seconds per call (launch, thread-pool hand-off, planning lookups), for :meth:`cost`
     call_overhead_s: ClassVar[float] = 0.0
+    #: keeps a plan of a matrix's entries (O(E) memory, built on the matrix's first product, which a
+    #: measured trial does not time): chosen only when it measures clearly faster (backends.select)
+    keeps_entry_plan: ClassVar[bool] = False
     #: the dtypes of ``x`` this backend multiplies
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float64)
 

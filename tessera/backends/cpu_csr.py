@@ -581,7 +581,7 @@ class CSRBackend(Backend):
     def _run(self, graph: CSRStructure, transposed: bool, x: torch.Tensor, w: torch.Tensor | None, out=None, wpos=None):
         sync_numba_threads()
         given = x  # sparse_rows remembers its last answer by the caller's tensor object
-        x = x.detach().contiguous()
+        x = workspace.contiguous(x.detach())
         rows = graph.num_cols if transposed else graph.num_rows
         if out is None:
             out = new_output((rows, *x.shape[1:]), x.dtype)
@@ -641,7 +641,7 @@ class CSRBackend(Backend):
         """S-SpMM: ``(diag(row_scale) A x) * mask`` (``A^T`` when ``transposed``), computing only
         the 16-wide feature tiles where ``mask`` keeps something; ``mask`` is bool/uint8 ``(rows, F)``."""
         sync_numba_threads()
-        x = x.detach().contiguous()
+        x = workspace.contiguous(x.detach())
         rows = graph.num_cols if transposed else graph.num_rows
         if x.dim() != 2 or mask.shape != (rows, x.shape[1]):
             raise ValueError(

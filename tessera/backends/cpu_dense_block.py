@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tessera import workspace
 from tessera.backends.base import Backend
 from tessera.graph.chunking import DenseBlocks, chunk_rows_for_cache, compress, locality_chunking
 from tessera.graph.csr import CSRMatrix, CSRStructure, TransposedCSR
@@ -180,6 +181,7 @@ class DenseBlockBackend(Backend):
 
     name = "dense_block"
     call_overhead_s = 30e-6
+    keeps_entry_plan = True
 
     def __init__(self, remainder: Backend, small: Backend, config: DenseBlockConfig | None = None):
         super().__init__()
@@ -256,13 +258,13 @@ class DenseBlockBackend(Backend):
     def spmm(self, graph: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if self._delegate(x, weight) or (plan := self.plan(graph, False)).remainder is None:
             return self.remainder.spmm(graph, x, weight)
-        return self._product(plan, x.contiguous(), weight)
+        return self._product(plan, workspace.contiguous(x), weight)
 
     def spmm_t(self, graph: CSRStructure, g: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if self._delegate(g, weight) or (plan := self.plan(graph, True)).remainder is None:
             return self.remainder.spmm_t(graph, g, weight)
         w = None if weight is None else weight.index_select(0, graph.transpose(with_perm=True).perm.long())
-        return self._product(plan, g.contiguous(), w)
+        return self._product(plan, workspace.contiguous(g), w)
 
     def sddmm_dot(self, graph: CSRStructure, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.remainder.sddmm_dot(graph, g, x)

@@ -40,6 +40,12 @@ _TRIAL_MIN_WORK = 4_000_000
 # this far apart, or on calls this long, is settled by the rounds already run.
 _TRIAL_OUT = 2.0
 _TRIAL_BUDGET_S = 2.0
+# A backend that keeps a plan of the matrix's entries is chosen only when it beats the fastest
+# one that keeps none by more than this share: a trial's times leave out the plan's memory and
+# its build on the first product (0.95 s and 283 MB for a products-sized graph's whole width-47
+# aggregation), and differences under it are the shared machine's noise (dense_block had "won"
+# that product by 0.3 %; benchmarks/RESULTS.md, session 30).
+_PLAN_MARGIN = 0.05
 _DIRECTIONS = ("forward", "backward")
 _lock = threading.Lock()
 _memo = PlanCache()  # per matrix: decision key -> backend name
@@ -147,9 +153,13 @@ def lookup(matrix: CSRStructure, key: str, names: list[str]) -> str | None:
     if key in memo:
         return memo[key]
     entry = _read_disk().get(key) if matrix.fingerprint() is not None else None
-    if entry is not None and entry.get("choice") in names:
-        memo[key] = entry["choice"]
-        return memo[key]
+    if entry is None:
+        return None
+    seconds = {n: t for n, t in entry.get("seconds", {}).items() if n in names}
+    choice = pick(seconds) if seconds else entry.get("choice")
+    if choice in names:
+        memo[key] = choice
+        return choice
     return None
 
 
@@ -163,10 +173,21 @@ def trial_candidates(matrix: CSRStructure, width: int, weighted: bool, transpose
     return [n for n in ranked if costs[n] <= 3 * costs[ranked[0]]]
 
 
+def pick(seconds: dict[str, float]) -> str:
+    """The backend to use given measured ``seconds`` per backend: the fastest, unless it keeps an
+    entry plan and one that keeps none is within :data:`_PLAN_MARGIN` of it."""
+    fastest = min(seconds, key=seconds.get)
+    plain = [n for n in seconds if not get_backend(n).keeps_entry_plan]
+    if not get_backend(fastest).keeps_entry_plan or not plain:
+        return fastest
+    other = min(plain, key=seconds.get)
+    return other if seconds[other] <= seconds[fastest] * (1 + _PLAN_MARGIN) else fastest
+
+
 def record(matrix: CSRStructure, key: str, seconds: dict[str, float], **notes: Any) -> str:
     """Store the fastest of ``seconds`` (measured backend times) as the decision for ``key``, in
     memory and (for a matrix with a fingerprint) on disk with ``notes`` beside it, and return it."""
-    choice = min(seconds, key=seconds.get)
+    choice = pick(seconds)
     if matrix.fingerprint() is not None:
         _write_disk(key, {"choice": choice, "seconds": seconds, **notes})
     _memo.entries(matrix)[key] = choice

@@ -77,9 +77,9 @@ class SAGEConv(GraphConv):
         if split:
             xl, xr = self._project_both(x, p_in, hints.rows)
             if targets is None:
-                out = sparse.aggregate(a, xl.contiguous(), self.aggr)
+                out = sparse.aggregate(a, xl, self.aggr)
             else:
-                out, xr = target_aggregate(a, xl.contiguous(), self.aggr, targets), take_rows(xr, targets)
+                out, xr = target_aggregate(a, xl, self.aggr, targets), take_rows(xr, targets)
             out = add_bias_(out, self.lin_l.bias).add_(xr)
         else:
             out = linear_then_aggregate(
