@@ -66,7 +66,7 @@ def test_raw_features_are_aggregated_once(model, dropout, monkeypatch):
 
 
 class _NoMemo:
-    def __call__(self, graph, x, compute):
+    def __call__(self, graph, x, compute, extra=None):
         return compute()
 
 
@@ -81,6 +81,21 @@ def test_a_modified_input_is_aggregated_again():
         want = build_model("gcn", g.num_features, 32, g.num_classes, 2, dropout=0.0).eval()
         want.load_state_dict(model.state_dict())
         assert torch.equal(second, want(x, g))
+    assert not torch.equal(first, second)
+
+
+def test_a_fixed_gin_eps_is_kept_with_the_sum_and_a_new_eps_recomputes_it():
+    # a fixed eps makes (1 + eps) x + A x constant: kept whole, keyed by the eps it was made with
+    g = load("synthetic:tiny")
+    model = build_model("gin", g.num_features, 32, g.num_classes, 2, dropout=0.0).eval()
+    want = build_model("gin", g.num_features, 32, g.num_classes, 2, dropout=0.0).eval()
+    with torch.no_grad():
+        first = model(g.x, g)
+        for conv in (*model.convs, *want.convs):
+            conv.eps.fill_(0.5)
+        want.load_state_dict(model.state_dict())
+        second = model(g.x, g)
+        torch.testing.assert_close(second, want(g.x, g), rtol=0, atol=0)
     assert not torch.equal(first, second)
 
 

@@ -43,15 +43,19 @@ class InputAggregate:
     def __getstate__(self) -> dict:
         return {"_key": None, "_out": None}  # copies and pickles of a model start empty
 
-    def __call__(self, graph: object, x: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``compute()``, or its result from the last call with this ``graph`` and ``x``."""
+    def __call__(
+        self, graph: object, x: torch.Tensor, compute: Callable[[], torch.Tensor], extra: object = None
+    ) -> torch.Tensor:
+        """``compute()``, or its result from the last call with this ``graph``, ``x`` and ``extra``
+        (whatever else ``compute`` reads, compared by value)."""
         if x.requires_grad:
             return compute()
         k = self._key
-        if k is not None and k[0]() is graph and k[1]() is x and k[2] == x._version and self._out is not None:
+        same = k is not None and k[0]() is graph and k[1]() is x and k[2:] == (x._version, extra)
+        if same and self._out is not None:
             return self._out
         out = compute()
-        self._key, self._out = (weakref.ref(graph), weakref.ref(x), x._version), out
+        self._key, self._out = (weakref.ref(graph), weakref.ref(x), x._version, extra), out
         return out
 
 

@@ -41,9 +41,12 @@ class GINConv(GraphConv):
         if hints.targets is not None:
             # only the target rows are aggregated and go through the MLP
             h = self._target_rows(a, x, hints.targets)
-        elif hints.constant_input:
+        elif hints.constant_input and isinstance(self.eps, torch.nn.Parameter):
             out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
             h = out + sparse.cast_like(x, 1 + self.eps) * x  # not in place: the aggregate is kept
+        elif hints.constant_input:  # a fixed eps: the root term is constant too, and kept with the sum
+            w = 1.0 + float(self.eps)
+            h = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum", self_weight=w), w)
         elif isinstance(self.eps, torch.nn.Parameter):
             # eps (float32) in x's dtype: a bfloat16 x would otherwise be promoted to float32
             h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask) + sparse.cast_like(x, 1 + self.eps) * x
