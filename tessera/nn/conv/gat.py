@@ -89,6 +89,8 @@ class GATConv(GraphConv):
         p = self.dropout if self.training else 0.0
         keys = _edge_keys(a, edges, hints, n) if p > 0.0 else None
         out = sparse.attend(a, edges, a_src, a_dst, h_src, self.negative_slope, p, keys)
+        if not self.concat and heads == 1:  # the mean of one head is that head: a view, no N x F copy
+            return add_bias_(out, self.bias).squeeze(1)
         if not self.concat:
             return add_bias_(out.mean(1), self.bias)
         # the bias in place on the fresh aggregate, before the reshape: in place on the reshaped
