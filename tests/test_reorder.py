@@ -148,6 +148,38 @@ def test_orders_are_cached_on_disk_by_fingerprint(tmp_path, monkeypatch):
     assert np.array_equal(ro.vertex_order(fresh, "rcm"), a)
 
 
+@pytest.mark.parametrize("edge_data", [False, True])
+def test_a_kept_renumbering_is_read_back_exactly_and_a_bad_file_is_recomputed(tmp_path, monkeypatch, edge_data):
+    g = _messy_graph() if edge_data else load("synthetic:small")
+    order = ro.VertexOrder.of(g, "rcm")
+    want = ro.permute_graph(g, order.perm.numpy())  # not kept: below the size, and keep off
+    assert not list((tmp_path / "cache" / "orders").glob("*.csr.npz"))
+    monkeypatch.setattr(ro, "KEEP_RENUMBERED_EDGES", 0)
+    first = order.permute(g)
+    (kept,) = (tmp_path / "cache" / "orders").glob("*.csr.npz")
+    renumber = ro.renumbered_csr
+
+    def boom(*args, **kwargs):
+        raise AssertionError("renumbered again instead of read from the cache")
+
+    monkeypatch.setattr(ro, "renumbered_csr", boom)
+    again = order.permute(g)
+    for got in (first, again):
+        for name in ("indptr", "indices", "edge_weight", "edge_type", "x", "y", "train_mask"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+    # a file of another graph's size is not trusted: the structure is computed and kept again
+    with np.load(kept) as f:
+        arrays = {k: f[k] for k in f.files}
+    arrays["indices"] = arrays["indices"][:-1]
+    np.savez(kept, **arrays)
+    calls = []
+    monkeypatch.setattr(ro, "renumbered_csr", lambda *a, **k: calls.append(1) or renumber(*a, **k))
+    assert torch.equal(order.permute(g).indices, want.indices) and calls == [1]
+    with np.load(kept) as f:
+        assert f["indices"].shape == want.indices.shape
+
+
 def test_choose_order_margin_and_decision_cache(tmp_path, monkeypatch):
     g = load("synthetic:small")
     assert ordering.choose_order(g, 16, candidates=("rcm", "degree"), margin=0.99, reps=1) == "none"

@@ -37,8 +37,9 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from tessera.digest import digest
 from tessera.errors import ConfigError
-from tessera.files import save_npy
+from tessera.files import save_npy, save_npz
 from tessera.graph.graph import Graph
 from tessera.graph.partition.metis import metis_graph, part_graph
 from tessera.graph.sorting import renumbered_csr
@@ -51,6 +52,9 @@ AUTO_MIN_NODES = 50_000  # below this, "auto" keeps the original order without m
 AUTO_MARGIN = 0.10  # a candidate must be at least this much faster than the original order
 METIS_PART_BYTES = 2 << 20  # float32 feature bytes per METIS part: one core's L2 here (4096 rows at width 128)
 ORDER_VERSION = 1  # bump when an order's algorithm changes, so old cache entries are not reused
+# A renumbered structure of at least this many entries is kept on disk beside its order: on a
+# products-sized graph (24 M entries) renumbering takes 0.46 s of set-up, reading it back 0.05 s.
+KEEP_RENUMBERED_EDGES = 1 << 20
 _orders = PlanCache()
 
 
@@ -187,18 +191,23 @@ def inverse_permutation(perm: Any) -> np.ndarray:
     return inv
 
 
-def permute_graph(graph: Graph, perm: Any, features: bool = True) -> Graph:
+def permute_graph(graph: Graph, perm: Any, features: bool = True, keep: bool = False) -> Graph:
     """The same graph with vertex ``perm[i]`` renamed ``i``: CSR rows, sources (sorted within each
     row, as every Graph), edge weights and types, features, labels and split masks all follow.
-    ``features=False`` leaves ``x`` out (for callers that permute their own feature tensor)."""
+    ``features=False`` leaves ``x`` out (for callers that permute their own feature tensor).
+    ``keep``: a renumbered structure of :data:`KEEP_RENUMBERED_EDGES` entries or more is kept on
+    disk beside the orders (``$TESSERA_CACHE/orders``) and read back by the next run."""
     n = graph.num_nodes
     perm = np.asarray(perm, dtype=np.int64)
     if not is_permutation(perm, n):
         raise ValueError(f"perm is not a permutation of [0, {n})")
     edge_data = graph.edge_weight is not None or graph.edge_type is not None
-    indptr, src, eid = renumbered_csr(
-        graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm), want_eid=edge_data
-    )
+    if keep and graph.num_edges >= KEEP_RENUMBERED_EDGES:
+        indptr, src, eid = _kept_renumbering(graph, perm, edge_data)
+    else:
+        indptr, src, eid = renumbered_csr(
+            graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm), want_eid=edge_data
+        )
     et = None if eid is None else torch.from_numpy(eid)
     pt = torch.from_numpy(perm)
     data: dict[str, Any] = {
@@ -214,6 +223,38 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True) -> Graph:
         t = getattr(graph, m)
         data[m] = None if t is None else t[pt]
     return Graph(torch.from_numpy(indptr), torch.from_numpy(src), n, **data)
+
+
+def _kept_renumbering(
+    graph: Graph, perm: np.ndarray, want_eid: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`~tessera.graph.sorting.renumbered_csr` of ``graph`` under ``perm``, read from the
+    disk cache when a run has kept it there (checked against the graph's sizes and dtypes), else
+    computed and kept."""
+    text = f"v{ORDER_VERSION}|{graph.fingerprint()}|{digest('perm', [perm])}|{want_eid}"
+    path = cache_root(None) / f"{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}.csr.npz"
+    n, e = graph.num_nodes, graph.num_edges
+    dtypes = (graph.indptr.numpy().dtype, graph.indices.numpy().dtype)
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            indptr, src = f["indptr"], f["indices"]
+            eid = f["eid"] if want_eid else None
+        shapes = (indptr.shape, src.shape, None if eid is None else eid.shape)
+        types = (indptr.dtype, src.dtype) + (() if eid is None else (eid.dtype,))
+        if shapes == ((n + 1,), (e,), None if eid is None else (e,)) and types == dtypes + dtypes[1:2] * want_eid:
+            if indptr[0] == 0 and indptr[-1] == e and (e == 0 or (src.min() >= 0 and src.max() < n)):
+                return indptr, src, eid
+    except (OSError, ValueError, KeyError, EOFError):
+        pass
+    indptr, src, eid = renumbered_csr(
+        graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm), want_eid
+    )
+    arrays = {"indptr": indptr, "indices": src} if eid is None else {"indptr": indptr, "indices": src, "eid": eid}
+    try:
+        save_npz(path, **arrays)
+    except OSError as err:
+        warnings.warn(f"could not keep the renumbered graph at {path}: {err}", RuntimeWarning, stacklevel=3)
+    return indptr, src, eid
 
 
 @dataclass(frozen=True)
@@ -238,8 +279,9 @@ class VertexOrder:
         return cls.from_perm(vertex_order(graph, method, cache_dir, width=width), method)
 
     def permute(self, graph: Graph, features: bool = True) -> Graph:
-        """``graph`` in the new numbering (see :func:`permute_graph`)."""
-        return permute_graph(graph, self.perm.numpy(), features)
+        """``graph`` in the new numbering (see :func:`permute_graph`), its structure kept on disk
+        for the next run when large."""
+        return permute_graph(graph, self.perm.numpy(), features, keep=True)
 
     def to_new(self, t: torch.Tensor) -> torch.Tensor:
         """Rows of a per-vertex tensor in original order -> new order."""
