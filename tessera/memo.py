@@ -33,6 +33,12 @@ class PlanCache:
         hit = self._by_id.get(id(obj))
         return hit[1].get(key) if hit is not None and hit[0]() is obj else None
 
+    def drop(self, obj: object) -> None:
+        """Forget everything stored for ``obj``."""
+        hit = self._by_id.get(id(obj))
+        if hit is not None and hit[0]() is obj:
+            del self._by_id[id(obj)]
+
     def get(self, obj: object, key: Hashable, make: Callable[[], Any]) -> Any:
         """The value stored for ``(obj, key)``, made the first time it is asked for."""
         entries = self.entries(obj)

@@ -414,3 +414,22 @@ def test_per_head_weights_of_one_step_are_read_through_the_permutation(heads):
     dense = torch.stack([dense_adjacency(g, w[:, h]).T.float() @ x[:, h] for h in range(heads)], 1)
     torch.testing.assert_close(fixed, dense, rtol=1e-5, atol=1e-5)
     assert csr.plans.entries(g)["transposed_weight"][torch.float32][0]() is w  # the fixed weight's copy only
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_the_reference_backend_multiplies_per_head_weights_head_by_head(heads):
+    g = awkward_graph()
+    ref = get_backend("reference")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.rand(g.num_edges, heads, generator=gen)
+    x = torch.randn(g.num_nodes, heads, 6, generator=gen)
+    fwd = torch.stack([dense_adjacency(g, w[:, h]).float() @ x[:, h] for h in range(heads)], 1)
+    bwd = torch.stack([dense_adjacency(g, w[:, h]).T.float() @ x[:, h] for h in range(heads)], 1)
+    torch.testing.assert_close(ref.spmm(g, x, w), fwd, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.spmm_t(g, x, w.clone().requires_grad_()), bwd, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        ref.spmm_t(g, x, w[:, 0]),
+        bwd if heads == 1 else torch.stack([dense_adjacency(g, w[:, 0]).T.float() @ x[:, h] for h in range(heads)], 1),
+        rtol=1e-5,
+        atol=1e-5,
+    )

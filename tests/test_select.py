@@ -114,12 +114,14 @@ def test_kernels_command_reports_every_backend_and_the_choice(cache, capsys):
 
 
 def test_a_backend_that_keeps_an_entry_plan_must_win_by_the_margin():
-    assert get_backend("dense_block").keeps_entry_plan and not get_backend("csr").keeps_entry_plan
+    keeps = {name: get_backend(name).keeps_entry_plan for name in ("csr", "dense_block", "reference")}
+    assert keeps == {"csr": False, "dense_block": True, "reference": True}
     near = 1 + select._PLAN_MARGIN * 0.9
     far = 1 + select._PLAN_MARGIN * 1.1
     assert select.pick({"csr": 0.1 * near, "dense_block": 0.1, "reference": 0.5}) == "csr"
     assert select.pick({"csr": 0.1 * far, "dense_block": 0.1, "reference": 0.5}) == "dense_block"
-    assert select.pick({"csr": 0.3, "dense_block": 0.1, "reference": 0.1 * near}) == "reference"
+    assert select.pick({"csr": 0.1 * near, "dense_block": 0.3, "reference": 0.1}) == "csr"
+    assert select.pick({"dense_block": 0.1 * near, "reference": 0.1}) == "reference"  # no plan-free one
     assert select.pick({"csr": 0.1, "dense_block": 0.2}) == "csr"
     assert select.pick({"dense_block": 0.2}) == "dense_block"
 
@@ -132,6 +134,21 @@ def test_a_stored_decision_is_taken_again_by_the_margin_rule(cache, monkeypatch)
     cache.write_text(json.dumps({key: {"choice": "dense_block", "seconds": seconds}}))
     monkeypatch.setattr(select, "measure", lambda *a, **k: pytest.fail("measured a cached decision"))
     assert select.choose(g, torch.randn(g.num_nodes, 32), None, "forward") == "csr"
+
+
+@pytest.mark.parametrize("winner", ["csr", "dense_block"])
+def test_a_trial_drops_the_plans_of_a_losing_backend_that_keeps_entry_plans(cache, monkeypatch, winner):
+    g = generate("tiny", seed=0)
+    monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)
+    monkeypatch.setattr(select, "trial_candidates", lambda *a: ["csr", "dense_block"])
+    monkeypatch.setattr(select, "pick", lambda seconds: winner)
+    dense = get_backend("dense_block")
+    assert select.choose(g, torch.randn(g.num_nodes, 32), None, "forward") == winner
+    assert bool(dense.plans.entries(g)) == (winner == "dense_block")
+    # a later trial that dense_block loses keeps the plans an earlier decision still uses
+    monkeypatch.setattr(select, "pick", lambda seconds: "csr")
+    select.choose(g, torch.randn(g.num_nodes, 32), None, "backward")
+    assert bool(dense.plans.entries(g)) == (winner == "dense_block")
 
 
 def test_kernels_command_choice_is_the_fastest_it_measured_and_is_stored(cache, capsys, monkeypatch):

@@ -136,8 +136,21 @@ def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, d
     if _state.modelled_only:
         return trial[0]
     if len(trial) > 1:
-        return record(matrix, key, measure(matrix, x, weight, trial, transposed))
+        choice = record(matrix, key, measure(matrix, x, weight, trial, transposed))
+        drop_unchosen_plans(matrix, trial)
+        return choice
     return remember(matrix, key, trial[0])
+
+
+def drop_unchosen_plans(matrix: CSRStructure, names: list[str]) -> None:
+    """Drop the entry plans that a trial made ``names`` build for ``matrix`` on backends that no
+    decision for it has chosen: a losing dense_block's plans of a products-sized graph would
+    otherwise stay for the rest of the run."""
+    chosen = set(_memo.entries(matrix).values())
+    for name in names:
+        backend = get_backend(name)
+        if backend.keeps_entry_plan and name not in chosen:
+            backend.plans.drop(matrix)
 
 
 def remember(matrix: CSRStructure, key: str, choice: str) -> str:
