@@ -58,11 +58,20 @@ def test_chunk_products_equal_torchs_on_every_shape(library, rows, k, o):
 
 def test_a_whole_weight_gradient_sums_its_row_chunks_and_takes_strided_operands(library):
     gen = torch.Generator().manual_seed(11)
-    n = 3 * chunk_gemm.WEIGHT_GRAD_BYTES // (4 * 40) + 1  # three chunks and a one-row remainder
+    n = 3 * chunk_gemm.weight_grad_rows(40, 4, 1 << 30, chunk_gemm.WEIGHT_GRAD_BYTES) + 1  # 3 chunks and 1 row
     g, x = torch.randn(n, 40, generator=gen), torch.randn(n, 24, generator=gen)
     _close(chunk_gemm.weight_grad(g, x), g.t() @ x)
     wide = torch.randn(n, 48, generator=gen)
     _close(chunk_gemm.weight_grad(g, wide[:, ::2]), g.t() @ wide[:, ::2])  # not contiguous: one product
+
+
+@pytest.mark.parametrize(
+    ("width", "n", "want"),
+    [(40, 169343, 24576), (80, 169343, 12288), (256, 169343, 4096), (40, 20000, 20000), (2048, 169343, 512)],
+)
+def test_weight_gradient_chunks_are_whole_multiples_of_4096_rows(width, n, want):
+    # 4 MB of 40-wide rows is 26214 rows, on which oneDNN's weight gradient ran at 60 % speed
+    assert chunk_gemm.weight_grad_rows(width, 4, n, 4 << 20) == want
 
 
 def test_bfloat16_chunks_take_the_widened_products(library):

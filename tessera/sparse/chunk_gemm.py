@@ -21,6 +21,19 @@ from tessera.sparse.gemm_path import chunk_library, kept_onednn_fits, onednn_add
 # by 128 to 256, AMD EPYC Zen 5, 2 threads, python benchmarks/bench_dense.py --chunks; larger and
 # smaller chunks, and one oneDNN product over every row, measured slower: RESULTS.md session 29)
 WEIGHT_GRAD_BYTES = 4 << 20
+# oneDNN's weight gradient of one chunk ran at 103-190 GFLOP/s over 13107 or 26214 rows and at
+# 190-300 over 12288, 16384 or 24576 (widths 40-256 by 128-256, 169 k rows, AMD EPYC Zen 5, 2
+# threads; benchmarks/RESULTS.md session 30): the row chunks a weight gradient is summed over are
+# whole multiples of this many rows
+WEIGHT_GRAD_ROWS = 4096
+
+
+def weight_grad_rows(width: int, element_size: int, n: int, chunk_bytes: int) -> int:
+    """Rows per chunk of a walk whose chunks take weight-gradient products: about ``chunk_bytes``
+    of ``width``-wide rows (:func:`~tessera.workspace.chunk_rows`), rounded down to a multiple of
+    :data:`WEIGHT_GRAD_ROWS` when at least that many."""
+    rows = workspace.chunk_rows(width, element_size, n, chunk_bytes)
+    return rows if rows >= n or rows < WEIGHT_GRAD_ROWS else rows - rows % WEIGHT_GRAD_ROWS
 
 
 def _onednn(*ts: torch.Tensor) -> bool:
@@ -76,7 +89,7 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if not (_onednn(g, x) and _onednn_weight_grad_fits(g, x)):
         return widened.mm(g.t(), x)
     n = g.shape[0]
-    step = workspace.chunk_rows(g.shape[1], g.element_size(), n, WEIGHT_GRAD_BYTES)
+    step = weight_grad_rows(g.shape[1], g.element_size(), n, WEIGHT_GRAD_BYTES)
     gw = onednn_weight_grad(g[:step], x[:step])
     for r0 in range(step, n, step):
         r1 = min(n, r0 + step)

@@ -136,7 +136,7 @@ class _LinearAct(torch.autograd.Function):
         half = dt == BF16  # bfloat16 products: weight and bias gradients summed in float32
         gxs = [workspace.empty((n, x.shape[1]), x.dtype) if nx else None for x, nx in zip(xs, need_x)]
         gb = torch.zeros(width, dtype=torch.float32 if half else dt) if need_b else None
-        step = workspace.chunk_rows(width, torch.finfo(dt).bits // 8, n, CHUNK_BYTES)
+        step = chunk_gemm.weight_grad_rows(width, torch.finfo(dt).bits // 8, n, CHUNK_BYTES)
         gws = chunk_gemm.WeightGrads(list(xs), list(need_w), width, torch.float32 if half else weights[0].dtype, step)
         d_buf = torch.empty((step, width), dtype=dt)
         g_buf = torch.empty((step, width), dtype=dt) if owed else None
