@@ -189,9 +189,14 @@ def trial_candidates(matrix: CSRStructure, width: int, weighted: bool, transpose
 def pick(seconds: dict[str, float]) -> str:
     """The backend to use given measured ``seconds`` per backend: the fastest, unless it keeps an
     entry plan and one that keeps none is within :data:`_PLAN_MARGIN` of it."""
+    registered = available_backends()  # other choices recorded here (relational variants) keep no plans
+
+    def keeps(name: str) -> bool:
+        return name in registered and get_backend(name).keeps_entry_plan
+
     fastest = min(seconds, key=seconds.get)
-    plain = [n for n in seconds if not get_backend(n).keeps_entry_plan]
-    if not get_backend(fastest).keeps_entry_plan or not plain:
+    plain = [n for n in seconds if not keeps(n)]
+    if not keeps(fastest) or not plain:
         return fastest
     other = min(plain, key=seconds.get)
     return other if seconds[other] <= seconds[fastest] * (1 + _PLAN_MARGIN) else fastest
