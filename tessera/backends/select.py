@@ -203,7 +203,7 @@ def pick(seconds: dict[str, float]) -> str:
 
 
 def record(matrix: CSRStructure, key: str, seconds: dict[str, float], **notes: Any) -> str:
-    """Store the fastest of ``seconds`` (measured backend times) as the decision for ``key``, in
+    """Store :func:`pick`'s choice from ``seconds`` (measured backend times) as the decision for ``key``, in
     memory and (for a matrix with a fingerprint) on disk with ``notes`` beside it, and return it."""
     choice = pick(seconds)
     if matrix.fingerprint() is not None:

@@ -202,12 +202,8 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True, keep: bool = F
     if not is_permutation(perm, n):
         raise ValueError(f"perm is not a permutation of [0, {n})")
     edge_data = graph.edge_weight is not None or graph.edge_type is not None
-    if keep and graph.num_edges >= KEEP_RENUMBERED_EDGES:
-        indptr, src, eid = _kept_renumbering(graph, perm, edge_data)
-    else:
-        indptr, src, eid = renumbered_csr(
-            graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm), want_eid=edge_data
-        )
+    keep = keep and graph.num_edges >= KEEP_RENUMBERED_EDGES
+    indptr, src, eid = (_kept_renumbering if keep else _renumbering)(graph, perm, edge_data)
     et = None if eid is None else torch.from_numpy(eid)
     pt = torch.from_numpy(perm)
     data: dict[str, Any] = {
@@ -225,30 +221,33 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True, keep: bool = F
     return Graph(torch.from_numpy(indptr), torch.from_numpy(src), n, **data)
 
 
+def _renumbering(graph: Graph, perm: np.ndarray, want_eid: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`~tessera.graph.sorting.renumbered_csr` of ``graph`` under ``perm``."""
+    return renumbered_csr(graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm), want_eid)
+
+
 def _kept_renumbering(
     graph: Graph, perm: np.ndarray, want_eid: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """:func:`~tessera.graph.sorting.renumbered_csr` of ``graph`` under ``perm``, read from the
-    disk cache when a run has kept it there (checked against the graph's sizes and dtypes), else
-    computed and kept."""
+    """:func:`_renumbering`, read from the disk cache when a run has kept it there (checked against
+    the graph's sizes and dtypes), else computed and kept."""
     text = f"v{ORDER_VERSION}|{graph.fingerprint()}|{digest('perm', [perm])}|{want_eid}"
     path = cache_root(None) / f"{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}.csr.npz"
     n, e = graph.num_nodes, graph.num_edges
-    dtypes = (graph.indptr.numpy().dtype, graph.indices.numpy().dtype)
+    index = graph.indices.numpy().dtype
+    expected = {"indptr": ((n + 1,), graph.indptr.numpy().dtype), "indices": ((e,), index)}
+    if want_eid:
+        expected["eid"] = ((e,), index)
     try:
         with np.load(path, allow_pickle=False) as f:
-            indptr, src = f["indptr"], f["indices"]
-            eid = f["eid"] if want_eid else None
-        shapes = (indptr.shape, src.shape, None if eid is None else eid.shape)
-        types = (indptr.dtype, src.dtype) + (() if eid is None else (eid.dtype,))
-        if shapes == ((n + 1,), (e,), None if eid is None else (e,)) and types == dtypes + dtypes[1:2] * want_eid:
-            if indptr[0] == 0 and indptr[-1] == e and (e == 0 or (src.min() >= 0 and src.max() < n)):
-                return indptr, src, eid
+            arrays = {name: f[name] for name in expected}
+        indptr, src = arrays["indptr"], arrays["indices"]
+        fits = all((a.shape, a.dtype) == expected[name] for name, a in arrays.items())
+        if fits and indptr[0] == 0 and indptr[-1] == e and (e == 0 or (src.min() >= 0 and src.max() < n)):
+            return indptr, src, arrays.get("eid")
     except (OSError, ValueError, KeyError, EOFError):
         pass
-    indptr, src, eid = renumbered_csr(
-        graph.indptr.numpy(), graph.indices.numpy(), perm, inverse_permutation(perm), want_eid
-    )
+    indptr, src, eid = _renumbering(graph, perm, want_eid)
     arrays = {"indptr": indptr, "indices": src} if eid is None else {"indptr": indptr, "indices": src, "eid": eid}
     try:
         save_npz(path, **arrays)
