@@ -70,16 +70,6 @@ def save_npy(path: str | Path, arr: Any) -> None:
     atomic_write(path, write)
 
 
-def save_npz(path: str | Path, **arrays: Any) -> None:
-    """Write named arrays as one uncompressed ``.npz`` atomically (no pickles)."""
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npz"
-            np.savez(f, **arrays)
-
-    atomic_write(path, write)
-
-
 def default_cache_dir() -> Path:
     """``$TESSERA_CACHE`` or ``~/.cache/tessera``."""
     env = os.environ.get("TESSERA_CACHE")

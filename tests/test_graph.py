@@ -57,6 +57,43 @@ def test_utilities_match_pyg():
     assert edge_set(ours.edge_index(), ours.edge_weight) == edge_set(pei, pw)
 
 
+@pytest.mark.parametrize("weighted, loops, improved", [(False, True, False), (True, True, True), (False, False, False)])
+def test_a_kept_gcn_normalisation_equals_the_computed_one_and_a_bad_file_is_recomputed(
+    monkeypatch, weighted, loops, improved
+):
+    import numpy as np
+
+    import tessera.graph.graph as graph_module
+    from tessera.files import default_cache_dir
+
+    ei, n = awkward_edge_index()
+    g = Graph.from_edge_index(ei, n)
+    if weighted:
+        g = g.replace(edge_weight=torch.rand(g.num_edges, generator=torch.Generator().manual_seed(0)) + 0.5)
+    want = g.gcn_norm(loops, improved)  # under the size kept: computed
+    monkeypatch.setattr(graph_module, "KEEP_EDGES", 0)
+    first = g.gcn_norm(loops, improved)
+    kept = (default_cache_dir() / "norms").glob("*.values.npy")  # the test session's cache holds others too
+    (values,) = [p for p in kept if np.array_equal(np.load(p), first.edge_weight.numpy())]
+    real = graph_module.gcn_values
+
+    def boom(*args, **kwargs):
+        raise AssertionError("normalised again instead of mapped from the cache")
+
+    monkeypatch.setattr(graph_module, "gcn_values", boom)
+    again = g.gcn_norm(loops, improved)
+    for got in (first, again):
+        for name in ("indptr", "indices", "edge_weight", "x", "y"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+    # values of another length are not trusted: computed again and kept
+    np.save(values, np.load(values)[:-1])
+    calls = []
+    monkeypatch.setattr(graph_module, "gcn_values", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert torch.equal(g.gcn_norm(loops, improved).edge_weight, want.edge_weight) and calls == [1]
+    assert np.load(values).shape == (want.num_edges,)
+
+
 def test_weighted_self_loops_keep_existing_weight():
     g = Graph.from_edge_index(torch.tensor([[0, 1, 1], [0, 0, 1]]), 3, edge_weight=torch.tensor([5.0, 2.0, 3.0]))
     h = g.add_self_loops(fill_value=1.0)

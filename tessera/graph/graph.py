@@ -13,7 +13,9 @@ import torch
 
 from tessera.digest import digest
 from tessera.errors import GraphError
+from tessera.files import default_cache_dir
 from tessera.graph.csr import CSRStructure, index_dtype
+from tessera.graph.kept import KEEP_EDGES, kept_arrays
 from tessera.graph.normalize import gcn_values, mark_mirrored
 from tessera.graph.sorting import with_self_loops
 
@@ -369,13 +371,47 @@ class Graph(CSRStructure):
     def gcn_norm(self, add_self_loops: bool = True, improved: bool = False) -> Graph:
         """Symmetric GCN normalisation as PyG's ``gcn_norm``: optional remaining self loops (fill 1,
         or 2 when ``improved``), then ``w_ji / sqrt(deg_i * deg_j)`` with ``deg`` the weighted
-        in-degree at the destination."""
-        g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
-        w = None if g.edge_weight is None else g.edge_weight.numpy()
-        out = g.replace(edge_weight=torch.from_numpy(gcn_values(g.indptr.numpy(), g.indices.numpy(), w)))
+        in-degree at the destination. Of a graph with :data:`~tessera.graph.kept.KEEP_EDGES` entries
+        or more, the normalised structure is kept on disk (``$TESSERA_CACHE/norms``) for the next run."""
+        if self.edge_type is None and self.num_edges >= KEEP_EDGES:
+            out = self._kept_gcn_norm(add_self_loops, improved)
+        else:
+            g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
+            w = None if g.edge_weight is None else g.edge_weight.numpy()
+            out = g.replace(edge_weight=torch.from_numpy(gcn_values(g.indptr.numpy(), g.indices.numpy(), w)))
         if self.edge_weight is None:  # every weight 1 but the loops': the values are 1 / sqrt(d_i d_j) both ways
             mark_mirrored(out.edge_weight)
         return out
+
+    def _kept_gcn_norm(self, add_self_loops: bool, improved: bool) -> Graph:
+        """:meth:`gcn_norm` of an untyped graph, its arrays mapped from the disk cache when a run has
+        kept them there (checked against the graph's size), else computed and kept."""
+        text = f"gcn_norm|v1|{self.fingerprint()}|{add_self_loops}|{improved}"
+        stem = default_cache_dir() / "norms" / hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+        def make() -> dict[str, np.ndarray]:
+            g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
+            w = None if g.edge_weight is None else g.edge_weight.numpy()
+            values = gcn_values(g.indptr.numpy(), g.indices.numpy(), w)
+            return {"indptr": g.indptr.numpy(), "indices": g.indices.numpy(), "values": values}
+
+        def fits(a: dict[str, np.ndarray]) -> bool:
+            indptr, indices, values = a["indptr"], a["indices"], a["values"]
+            n, e = self.num_nodes, indices.size
+            return (
+                indptr.shape == (n + 1,)
+                and indptr.dtype == indices.dtype in (np.int32, np.int64)
+                and indices.shape == values.shape == (e,)
+                and values.dtype == np.float32
+                and indptr[0] == 0
+                and indptr[-1] == e
+                and (not add_self_loops or e <= self.num_edges + n)
+                and (e == 0 or (indices.min() >= 0 and indices.max() < n))
+            )
+
+        a = kept_arrays(stem, ("indptr", "indices", "values"), make, fits)
+        structure = {"indptr": torch.from_numpy(a["indptr"]), "indices": torch.from_numpy(a["indices"])}
+        return self.replace(**structure, edge_weight=torch.from_numpy(a["values"]))
 
     def relation_counts(self) -> torch.Tensor:
         """Edges per relation (int64, length ``num_relations``); GraphError on an untyped graph."""

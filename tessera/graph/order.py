@@ -39,8 +39,9 @@ import torch
 
 from tessera.digest import digest
 from tessera.errors import ConfigError
-from tessera.files import save_npy, save_npz
+from tessera.files import save_npy
 from tessera.graph.graph import Graph
+from tessera.graph.kept import KEEP_EDGES, kept_arrays
 from tessera.graph.partition.metis import metis_graph, part_graph
 from tessera.graph.sorting import renumbered_csr
 from tessera.memo import PlanCache
@@ -53,8 +54,8 @@ AUTO_MARGIN = 0.10  # a candidate must be at least this much faster than the ori
 METIS_PART_BYTES = 2 << 20  # float32 feature bytes per METIS part: one core's L2 here (4096 rows at width 128)
 ORDER_VERSION = 1  # bump when an order's algorithm changes, so old cache entries are not reused
 # A renumbered structure of at least this many entries is kept on disk beside its order: on a
-# products-sized graph (24 M entries) renumbering takes 0.46 s of set-up, reading it back 0.05 s.
-KEEP_RENUMBERED_EDGES = 1 << 20
+# products-sized graph (24 M entries) renumbering takes 0.46 s of set-up; mapping it back, no time.
+KEEP_RENUMBERED_EDGES = KEEP_EDGES
 _orders = PlanCache()
 
 
@@ -229,31 +230,28 @@ def _renumbering(graph: Graph, perm: np.ndarray, want_eid: bool) -> tuple[np.nda
 def _kept_renumbering(
     graph: Graph, perm: np.ndarray, want_eid: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """:func:`_renumbering`, read from the disk cache when a run has kept it there (checked against
-    the graph's sizes and dtypes), else computed and kept."""
+    """:func:`_renumbering`, mapped from the disk cache when a run has kept it there (checked
+    against the graph's sizes and dtypes), else computed and kept."""
     text = f"v{ORDER_VERSION}|{graph.fingerprint()}|{digest('perm', [perm])}|{want_eid}"
-    path = cache_root(None) / f"{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}.csr.npz"
+    stem = cache_root(None) / f"{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}.csr"
     n, e = graph.num_nodes, graph.num_edges
     index = graph.indices.numpy().dtype
     expected = {"indptr": ((n + 1,), graph.indptr.numpy().dtype), "indices": ((e,), index)}
     if want_eid:
         expected["eid"] = ((e,), index)
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {name: f[name] for name in expected}
+
+    def make() -> dict[str, np.ndarray]:
+        indptr, src, eid = _renumbering(graph, perm, want_eid)
+        return {"indptr": indptr, "indices": src, "eid": eid}
+
+    def fits(arrays: dict[str, np.ndarray]) -> bool:
         indptr, src = arrays["indptr"], arrays["indices"]
-        fits = all((a.shape, a.dtype) == expected[name] for name, a in arrays.items())
-        if fits and indptr[0] == 0 and indptr[-1] == e and (e == 0 or (src.min() >= 0 and src.max() < n)):
-            return indptr, src, arrays.get("eid")
-    except (OSError, ValueError, KeyError, EOFError):
-        pass
-    indptr, src, eid = _renumbering(graph, perm, want_eid)
-    arrays = {"indptr": indptr, "indices": src} if eid is None else {"indptr": indptr, "indices": src, "eid": eid}
-    try:
-        save_npz(path, **arrays)
-    except OSError as err:
-        warnings.warn(f"could not keep the renumbered graph at {path}: {err}", RuntimeWarning, stacklevel=3)
-    return indptr, src, eid
+        if any((a.shape, a.dtype) != expected[name] for name, a in arrays.items()):
+            return False
+        return bool(indptr[0] == 0 and indptr[-1] == e and (e == 0 or (src.min() >= 0 and src.max() < n)))
+
+    arrays = kept_arrays(stem, tuple(expected), make, fits)
+    return arrays["indptr"], arrays["indices"], arrays.get("eid")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,52 @@
+"""Arrays derived from a large graph, kept on disk between runs and mapped back rather than read.
+
+A derived structure of a products-sized graph (its renumbered CSR, its GCN-normalised one) takes a
+few hundred milliseconds to compute and as long again to read back into new memory: new pages cost
+the kernel (and a VM's host) 1.3-2.5 s/GiB on the benchmarks' VM (``benchmarks/bench_startup.py
+--first-touch 2``). Mapped copy-on-write from its ``.npy`` files, it costs neither: the pages are
+the page cache's, filled when the file was written or last read.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+from tessera.files import save_npy
+
+# Structures with at least this many entries are kept; smaller ones are cheaper to compute again.
+KEEP_EDGES = 1 << 20
+
+
+def array_paths(stem: Path, names: Iterable[str]) -> dict[str, Path]:
+    """The file of each named array kept under ``stem``: ``<stem>.<name>.npy``."""
+    return {name: stem.with_name(f"{stem.name}.{name}.npy") for name in names}
+
+
+def kept_arrays(
+    stem: Path,
+    names: tuple[str, ...],
+    make: Callable[[], dict[str, np.ndarray]],
+    fits: Callable[[dict[str, np.ndarray]], bool],
+) -> dict[str, np.ndarray]:
+    """The arrays ``names`` kept under ``stem`` (mapped copy-on-write) when every file is there and
+    ``fits`` accepts them, else ``make()``'s, then kept for the next run. ``stem`` must name their
+    contents (a digest of what they are derived from): files of one stem are interchangeable."""
+    paths = array_paths(stem, names)
+    try:
+        arrays = {name: np.load(path, mmap_mode="c", allow_pickle=False) for name, path in paths.items()}
+        arrays = {name: a.view(np.ndarray) for name, a in arrays.items()}  # plain arrays over the maps
+        if fits(arrays):
+            return arrays
+    except (OSError, ValueError, EOFError):
+        pass
+    arrays = make()
+    try:
+        for name, path in paths.items():
+            save_npy(path, arrays[name])
+    except OSError as err:
+        warnings.warn(f"could not keep derived arrays at {stem}: {err}", RuntimeWarning, stacklevel=3)
+    return arrays
