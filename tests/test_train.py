@@ -232,3 +232,12 @@ def test_a_training_step_imports_no_symbolic_shapes_package(tmp_path):
         [sys.executable, "-c", code, str(tmp_path / "run")], check=True, capture_output=True, text=True, cwd=tmp_path
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("shift", [0.0, -0.5])
+def test_auto_feature_norm_row_normalises_only_non_negative_features(tmp_path, shift):
+    g = load("synthetic:small")
+    g = g.replace(x=g.x.abs() + shift)
+    tr = Trainer(TrainConfig(model="gcn", dataset="synthetic:small", epochs=1, out=str(tmp_path), reorder="none"), g)
+    want = g.x / g.x.sum(1, keepdim=True) if shift == 0.0 else g.x
+    assert torch.allclose(tr.x, want)

@@ -213,7 +213,9 @@ def prepare(
         if named not in (None, shard.fingerprint) and named == original.legacy_fingerprint():
             shard.fingerprint = named  # a checkpoint from before tessera.digest: the run keeps its name for the graph
     # Global facts are sums over ranks: split sizes, and whether any feature is negative.
-    local = torch.tensor([float(shard.masks[k].sum()) for k in SPLITS] + [float((shard.x < 0).sum())])
+    # (a minimum, not a count of negatives: no N x F temporary)
+    negative = shard.x.numel() > 0 and bool(shard.x.amin() < 0)
+    local = torch.tensor([float(shard.masks[k].sum()) for k in SPLITS] + [float(negative)])
     total = comm.all_reduce_sum(local)
     # the shard's rows are a copy (renumbered or another rank's slice) unless it is the caller's graph
     owned = not (isinstance(original, Graph) and shard.x is original.x)
