@@ -385,9 +385,11 @@ class Graph(CSRStructure):
 
     def _kept_gcn_norm(self, add_self_loops: bool, improved: bool) -> Graph:
         """:meth:`gcn_norm` of an untyped graph, its arrays mapped from the disk cache when a run has
-        kept them there (checked against the graph's size), else computed and kept."""
+        kept them there (checked against the graph's size), else computed and kept. Without self
+        loops the structure is the graph's own: only the values are kept."""
         text = f"gcn_norm|v1|{self.fingerprint()}|{add_self_loops}|{improved}"
         stem = default_cache_dir() / "norms" / hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        names = ("indptr", "indices", "values") if add_self_loops else ("values",)
 
         def make() -> dict[str, np.ndarray]:
             g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
@@ -396,21 +398,27 @@ class Graph(CSRStructure):
             return {"indptr": g.indptr.numpy(), "indices": g.indices.numpy(), "values": values}
 
         def fits(a: dict[str, np.ndarray]) -> bool:
-            indptr, indices, values = a["indptr"], a["indices"], a["values"]
-            n, e = self.num_nodes, indices.size
-            return (
+            n, values = self.num_nodes, a["values"]
+            indptr, indices = (
+                (a["indptr"], a["indices"]) if add_self_loops else (self.indptr.numpy(), self.indices.numpy())
+            )
+            e = indices.size
+            return bool(
                 indptr.shape == (n + 1,)
                 and indptr.dtype == indices.dtype in (np.int32, np.int64)
                 and indices.shape == values.shape == (e,)
                 and values.dtype == np.float32
                 and indptr[0] == 0
                 and indptr[-1] == e
-                and (not add_self_loops or e <= self.num_edges + n)
-                and (e == 0 or (indices.min() >= 0 and indices.max() < n))
+                and e <= self.num_edges + n
+                and (n == 0 or np.diff(indptr).min() >= 0)
+                and (e == 0 or (indices.min() >= 0 and indices.max() < n and np.isfinite(values).all()))
             )
 
-        a = kept_arrays(stem, ("indptr", "indices", "values"), make, fits)
-        structure = {"indptr": torch.from_numpy(a["indptr"]), "indices": torch.from_numpy(a["indices"])}
+        a = kept_arrays(stem, names, make, fits)
+        structure = {}
+        if add_self_loops:
+            structure = {"indptr": torch.from_numpy(a["indptr"]), "indices": torch.from_numpy(a["indices"])}
         return self.replace(**structure, edge_weight=torch.from_numpy(a["values"]))
 
     def relation_counts(self) -> torch.Tensor:

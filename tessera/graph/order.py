@@ -197,7 +197,7 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True, keep: bool = F
     row, as every Graph), edge weights and types, features, labels and split masks all follow.
     ``features=False`` leaves ``x`` out (for callers that permute their own feature tensor).
     ``keep``: a renumbered structure of :data:`KEEP_RENUMBERED_EDGES` entries or more is kept on
-    disk beside the orders (``$TESSERA_CACHE/orders``) and read back by the next run."""
+    disk beside the orders (``$TESSERA_CACHE/orders``) and mapped back by the next run."""
     n = graph.num_nodes
     perm = np.asarray(perm, dtype=np.int64)
     if not is_permutation(perm, n):
