@@ -195,6 +195,17 @@ def test_load_part_errors(tmp_path):
     (tmp_path / "r" / "part-0.npz").write_bytes((other / "part-0.npz").read_bytes())
     with pytest.raises(DatasetError, match="does not belong"):
         load_part(tmp_path / "r", 0)
+    # a part whose features or weights hold a NaN or an infinity is refused, as a whole graph's are
+    for name, bad in (("x", float("nan")), ("weight", float("inf"))):
+        fresh = write_parts(g, part, tmp_path / f"bad-{name}")
+        with np.load(fresh / "part-0.npz") as z:
+            arrays = {k: z[k] for k in z.files}
+        arrays[name] = arrays[name].copy()
+        arrays[name].flat[0] = bad
+        np.savez(fresh / "part-0.npz", **arrays)
+        with pytest.raises(DatasetError, match=f"NaN or infinite {name}"):
+            load_part(fresh, 0)
+        assert load_part(fresh, 1)["rank"] == 1
     (out / "meta.json").write_text("{not json")
     with pytest.raises(DatasetError, match="corrupt"):
         load_part(out, 0)

@@ -373,8 +373,14 @@ def load_part(
     if "etype" in data:
         ok = ok and data["etype"].shape == (n_in,) and "out_etype" in data
         ok = ok and data["out_etype"].shape == data["out_dst"].shape
+    if "x" in data:
+        ok = ok and data["x"].shape[:1] == (n_owned,)
     if not ok:
         raise DatasetError(f"{path} is corrupt: inconsistent array shapes")
+    for name in ("x", "weight", "out_weight"):  # as a whole graph's loaders refuse them
+        a = data.get(name)
+        if a is not None and np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+            raise DatasetError(f"{path} holds a NaN or infinite {name}; rewrite the partition from a clean graph")
     for name in ("weight", "out_weight", "etype", "out_etype"):
         data.setdefault(name, None)
     data["rank"], data["parts"], data["num_nodes"] = int(k), parts, int(data["num_nodes"])
