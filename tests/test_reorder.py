@@ -166,7 +166,7 @@ def test_a_kept_renumbering_is_read_back_exactly_and_a_bad_file_is_recomputed(tm
     order = ro.VertexOrder.of(g, "rcm")
     want = ro.permute_graph(g, order.perm.numpy())  # not kept: below the size, and keep off
     assert not list((tmp_path / "cache" / "orders").glob("*.csr.*"))
-    monkeypatch.setattr(ro, "KEEP_RENUMBERED_EDGES", 0)
+    monkeypatch.setattr(ro, "KEEP_EDGES", 0)
     first = order.permute(g)
     (kept,) = (tmp_path / "cache" / "orders").glob("*.csr.indices.npy")
     assert len(list((tmp_path / "cache" / "orders").glob("*.csr.*.npy"))) == (3 if edge_data else 2)

@@ -15,7 +15,7 @@ from tessera.digest import digest
 from tessera.errors import GraphError
 from tessera.files import default_cache_dir
 from tessera.graph.csr import CSRStructure, index_dtype
-from tessera.graph.kept import KEEP_EDGES, kept_arrays
+from tessera.graph.kept import KEEP_EDGES, csr_fits, kept_arrays
 from tessera.graph.normalize import gcn_values, mark_mirrored
 from tessera.graph.sorting import with_self_loops
 
@@ -376,9 +376,8 @@ class Graph(CSRStructure):
         if self.edge_type is None and self.num_edges >= KEEP_EDGES:
             out = self._kept_gcn_norm(add_self_loops, improved)
         else:
-            g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
-            w = None if g.edge_weight is None else g.edge_weight.numpy()
-            out = g.replace(edge_weight=torch.from_numpy(gcn_values(g.indptr.numpy(), g.indices.numpy(), w)))
+            g, values = self._gcn_values(add_self_loops, improved)
+            out = g.replace(edge_weight=torch.from_numpy(values))
         if self.edge_weight is None:  # every weight 1 but the loops': the values are 1 / sqrt(d_i d_j) both ways
             mark_mirrored(out.edge_weight)
         return out
@@ -392,27 +391,23 @@ class Graph(CSRStructure):
         names = ("indptr", "indices", "values") if add_self_loops else ("values",)
 
         def make() -> dict[str, np.ndarray]:
-            g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
-            w = None if g.edge_weight is None else g.edge_weight.numpy()
-            values = gcn_values(g.indptr.numpy(), g.indices.numpy(), w)
+            g, values = self._gcn_values(add_self_loops, improved)
             return {"indptr": g.indptr.numpy(), "indices": g.indices.numpy(), "values": values}
 
         def fits(a: dict[str, np.ndarray]) -> bool:
-            n, values = self.num_nodes, a["values"]
-            indptr, indices = (
-                (a["indptr"], a["indices"]) if add_self_loops else (self.indptr.numpy(), self.indices.numpy())
-            )
-            e = indices.size
+            values = a["values"]
+            if not add_self_loops:  # the graph's own structure, checked when it was made
+                return (
+                    values.shape == (self.num_edges,) and values.dtype == np.float32 and bool(np.isfinite(values).all())
+                )
+            indptr, indices = a["indptr"], a["indices"]
             return bool(
-                indptr.shape == (n + 1,)
-                and indptr.dtype == indices.dtype in (np.int32, np.int64)
-                and indices.shape == values.shape == (e,)
+                indptr.dtype == indices.dtype in (np.int32, np.int64)
+                and indices.shape == values.shape
                 and values.dtype == np.float32
-                and indptr[0] == 0
-                and indptr[-1] == e
-                and e <= self.num_edges + n
-                and (n == 0 or np.diff(indptr).min() >= 0)
-                and (e == 0 or (indices.min() >= 0 and indices.max() < n and np.isfinite(values).all()))
+                and indices.size <= self.num_edges + self.num_nodes
+                and csr_fits(indptr, indices, self.num_nodes)
+                and np.isfinite(values).all()
             )
 
         a = kept_arrays(stem, names, make, fits)
@@ -420,6 +415,12 @@ class Graph(CSRStructure):
         if add_self_loops:
             structure = {"indptr": torch.from_numpy(a["indptr"]), "indices": torch.from_numpy(a["indices"])}
         return self.replace(**structure, edge_weight=torch.from_numpy(a["values"]))
+
+    def _gcn_values(self, add_self_loops: bool, improved: bool) -> tuple[Graph, np.ndarray]:
+        """The graph :meth:`gcn_norm` normalises (self loops added when asked for) and its values."""
+        g = self.add_self_loops(2.0 if improved else 1.0) if add_self_loops else self
+        w = None if g.edge_weight is None else g.edge_weight.numpy()
+        return g, gcn_values(g.indptr.numpy(), g.indices.numpy(), w)
 
     def relation_counts(self) -> torch.Tensor:
         """Edges per relation (int64, length ``num_relations``); GraphError on an untyped graph."""

@@ -10,7 +10,7 @@ the page cache's, filled when the file was written or last read.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +21,18 @@ from tessera.files import save_npy
 KEEP_EDGES = 1 << 20
 
 
-def array_paths(stem: Path, names: Iterable[str]) -> dict[str, Path]:
-    """The file of each named array kept under ``stem``: ``<stem>.<name>.npy``."""
-    return {name: stem.with_name(f"{stem.name}.{name}.npy") for name in names}
+def csr_fits(indptr: np.ndarray, indices: np.ndarray, num_nodes: int) -> bool:
+    """Whether ``(indptr, indices)`` is a CSR of ``num_nodes`` rows and columns: row pointers from 0
+    to the entry count, never decreasing, every column in range (one pass over each array)."""
+    e = indices.size
+    return bool(
+        indptr.shape == (num_nodes + 1,)
+        and indices.ndim == 1
+        and indptr[0] == 0
+        and indptr[-1] == e
+        and (num_nodes == 0 or np.diff(indptr).min() >= 0)
+        and (e == 0 or (indices.min() >= 0 and indices.max() < num_nodes))
+    )
 
 
 def kept_arrays(
@@ -34,8 +43,9 @@ def kept_arrays(
 ) -> dict[str, np.ndarray]:
     """The arrays ``names`` kept under ``stem`` (mapped copy-on-write) when every file is there and
     ``fits`` accepts them, else ``make()``'s, then kept for the next run. ``stem`` must name their
-    contents (a digest of what they are derived from): files of one stem are interchangeable."""
-    paths = array_paths(stem, names)
+    contents (a digest of what they are derived from): files of one stem are interchangeable.
+    Each array is the file ``<stem>.<name>.npy``."""
+    paths = {name: stem.with_name(f"{stem.name}.{name}.npy") for name in names}
     try:
         arrays = {name: np.load(path, mmap_mode="c", allow_pickle=False) for name, path in paths.items()}
         arrays = {name: a.view(np.ndarray) for name, a in arrays.items()}  # plain arrays over the maps

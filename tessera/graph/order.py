@@ -41,7 +41,7 @@ from tessera.digest import digest
 from tessera.errors import ConfigError
 from tessera.files import save_npy
 from tessera.graph.graph import Graph
-from tessera.graph.kept import KEEP_EDGES, kept_arrays
+from tessera.graph.kept import KEEP_EDGES, csr_fits, kept_arrays
 from tessera.graph.partition.metis import metis_graph, part_graph
 from tessera.graph.sorting import renumbered_csr
 from tessera.memo import PlanCache
@@ -53,9 +53,6 @@ AUTO_MIN_NODES = 50_000  # below this, "auto" keeps the original order without m
 AUTO_MARGIN = 0.10  # a candidate must be at least this much faster than the original order
 METIS_PART_BYTES = 2 << 20  # float32 feature bytes per METIS part: one core's L2 here (4096 rows at width 128)
 ORDER_VERSION = 1  # bump when an order's algorithm changes, so old cache entries are not reused
-# A renumbered structure of at least this many entries is kept on disk beside its order: on a
-# products-sized graph (24 M entries) renumbering takes 0.46 s of set-up; mapping it back, no time.
-KEEP_RENUMBERED_EDGES = KEEP_EDGES
 _orders = PlanCache()
 
 
@@ -196,14 +193,15 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True, keep: bool = F
     """The same graph with vertex ``perm[i]`` renamed ``i``: CSR rows, sources (sorted within each
     row, as every Graph), edge weights and types, features, labels and split masks all follow.
     ``features=False`` leaves ``x`` out (for callers that permute their own feature tensor).
-    ``keep``: a renumbered structure of :data:`KEEP_RENUMBERED_EDGES` entries or more is kept on
-    disk beside the orders (``$TESSERA_CACHE/orders``) and mapped back by the next run."""
+    ``keep``: a renumbered structure of :data:`~tessera.graph.kept.KEEP_EDGES` entries or more is
+    kept on disk beside the orders (``$TESSERA_CACHE/orders``) and mapped back by the next run
+    (products: renumbering took 0.46 s of set-up)."""
     n = graph.num_nodes
     perm = np.asarray(perm, dtype=np.int64)
     if not is_permutation(perm, n):
         raise ValueError(f"perm is not a permutation of [0, {n})")
     edge_data = graph.edge_weight is not None or graph.edge_type is not None
-    keep = keep and graph.num_edges >= KEEP_RENUMBERED_EDGES
+    keep = keep and graph.num_edges >= KEEP_EDGES
     indptr, src, eid = (_kept_renumbering if keep else _renumbering)(graph, perm, edge_data)
     et = None if eid is None else torch.from_numpy(eid)
     pt = torch.from_numpy(perm)
@@ -245,10 +243,8 @@ def _kept_renumbering(
         return {"indptr": indptr, "indices": src, "eid": eid}
 
     def fits(arrays: dict[str, np.ndarray]) -> bool:
-        indptr, src = arrays["indptr"], arrays["indices"]
-        if any((a.shape, a.dtype) != expected[name] for name, a in arrays.items()):
-            return False
-        return bool(indptr[0] == 0 and indptr[-1] == e and (e == 0 or (src.min() >= 0 and src.max() < n)))
+        shaped = all((a.shape, a.dtype) == expected[name] for name, a in arrays.items())
+        return shaped and csr_fits(arrays["indptr"], arrays["indices"], n)
 
     arrays = kept_arrays(stem, tuple(expected), make, fits)
     return arrays["indptr"], arrays["indices"], arrays.get("eid")

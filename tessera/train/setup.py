@@ -213,10 +213,8 @@ def prepare(
         if named not in (None, shard.fingerprint) and named == original.legacy_fingerprint():
             shard.fingerprint = named  # a checkpoint from before tessera.digest: the run keeps its name for the graph
     # Global facts are sums over ranks: split sizes, and whether any feature is negative.
-    # (a minimum, not a count of negatives: no N x F temporary; a NaN minimum, from rows no loader
-    # checked, falls back to looking at every entry)
-    low = shard.x.amin() if shard.x.numel() > 0 else None
-    negative = low is not None and (bool(low < 0) or (bool(low.isnan()) and bool((shard.x < 0).any())))
+    # (a minimum, not a count of negatives: no N x F temporary; Graph and load_part refuse NaN features)
+    negative = shard.x.numel() > 0 and bool(shard.x.amin() < 0)
     local = torch.tensor([float(shard.masks[k].sum()) for k in SPLITS] + [float(negative)])
     total = comm.all_reduce_sum(local)
     # the shard's rows are a copy (renumbered or another rank's slice) unless it is the caller's graph
