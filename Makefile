@@ -1,11 +1,12 @@
 # Two commands from a fresh clone: `make run` trains on the embedded default dataset,
-# `make test` runs the test suite. Both build .venv first (torch 2.13.0 + tessera + test deps).
+# `make test` runs lint, the format check, the type checker and the test suite. Both build .venv
+# first (torch 2.13.0 + tessera + test deps), again whenever pyproject.toml changes.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint typecheck clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +18,15 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/tessera train
 
-test: $(STAMP)
+test: lint typecheck
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check tessera tests benchmarks
 	$(BIN)/ruff format --check tessera tests benchmarks
 
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache

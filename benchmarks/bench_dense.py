@@ -6,7 +6,7 @@ post-op (zeroed first: its ``onednn_kept`` path).
 Times, on ``--threads`` threads, the GEMM shapes of a 2-layer GCN epoch on an arxiv-sized graph
 (N x F_in times F_in x F_out forward, the input gradient, the weight gradient), median of
 ``--repeats`` after a warm-up, and prints ms and GFLOPS for each, and the path
-``tessera.sparse.gemm_path`` chose on this machine (run it under the allocator you train with:
+``tessera.dense.gemm_path`` chose on this machine (run it under the allocator you train with:
 ``LD_PRELOAD`` jemalloc or not; under glibc a fresh output is mapped and faulted in every call).
 
     python benchmarks/bench_dense.py --threads 2
@@ -14,17 +14,17 @@ Times, on ``--threads`` threads, the GEMM shapes of a 2-layer GCN epoch on an ar
 ``--bf16`` prints instead, per product, fp32 into a kept output the way tessera computes it on this
 CPU (its GEMM path; the weight gradient on MKL) against bfloat16 inputs and output two ways: torch's
 oneDNN bf16 GEMM into a kept output, and float32 products over widened chunks
-(``tessera.sparse.widened``, what tessera runs where oneDNN has no native bfloat16 GEMM); and which
+(``tessera.dense.widened``, what tessera runs where oneDNN has no native bfloat16 GEMM); and which
 of the two tessera takes on this CPU.
 
     python benchmarks/bench_dense.py --threads 2 --bf16
 
 ``--chunks`` prints instead the products of the fused nodes' row chunks
-(``tessera.sparse.chunk_gemm``, chunks of ``tessera.sparse.linear_act.CHUNK_BYTES`` of the wider
+(``tessera.dense.chunk_gemm``, chunks of ``tessera.dense.linear_act.CHUNK_BYTES`` of the wider
 side) on each chunk library: the forward ``x W^T + b`` and input gradient ``g W`` into a kept
 chunk, the weight gradient ``g^T x`` added into its accumulator, and a whole weight gradient over
 every row (MKL's one product against oneDNN's sum over row chunks); and the library
-``tessera.sparse.gemm_path.chunk_library`` chose on this machine.
+``tessera.dense.gemm_path.chunk_library`` chose on this machine.
 
     python benchmarks/bench_dense.py --threads 2 --chunks
 """
@@ -36,8 +36,8 @@ import argparse
 import torch
 from _runner import median_s
 
-from tessera.sparse import chunk_gemm, widened
-from tessera.sparse.gemm_path import (
+from tessera.dense import chunk_gemm, widened
+from tessera.dense.gemm_path import (
     CHUNK_LIBRARIES,
     chunk_library,
     cpu_model,
@@ -47,8 +47,8 @@ from tessera.sparse.gemm_path import (
     onednn_product,
     onednn_usable,
 )
-from tessera.sparse.linear import mm_into_
-from tessera.sparse.linear_act import CHUNK_BYTES
+from tessera.dense.linear import mm_into_
+from tessera.dense.linear_act import CHUNK_BYTES
 from tessera.threads import set_num_threads
 
 

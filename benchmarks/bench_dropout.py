@@ -1,4 +1,4 @@
-"""The hashed activation + dropout kernel (``tessera.sparse.dropout.run_hashed``), per mode and
+"""The hashed activation + dropout kernel (``tessera.kernels.dropout.run_hashed``), per mode and
 storage dtype, against the bytes it moves.
 
 Every hidden layer's dense end runs it twice a step: forward (ReLU or ELU, then dropout, from the
@@ -17,7 +17,7 @@ import argparse
 import torch
 from _runner import median_s
 
-from tessera.sparse.dropout import ACT_MODES, DROP, run_hashed
+from tessera.kernels.dropout import ACT_MODES, DROP, run_hashed
 from tessera.threads import set_num_threads
 
 

@@ -30,10 +30,9 @@ import numpy as np
 import torch
 
 from tessera.graph.synthetic import generate
-from tessera.sparse.aggregate import aggregate
-from tessera.sparse.block_matmul import block_matmul
-from tessera.sparse.gtask import build_plan, edge_attributes, greedy_cuts
-from tessera.sparse.gtask_kernels import (
+from tessera.relational.block_matmul import block_matmul
+from tessera.relational.gtask import build_plan, edge_attributes, greedy_cuts
+from tessera.relational.gtask_kernels import (
     CATEGORIES,
     REGULAR,
     OutlierPolicy,
@@ -43,6 +42,7 @@ from tessera.sparse.gtask_kernels import (
     typed_message_sum,
     typed_message_sum_reference,
 )
+from tessera.sparse.aggregate import aggregate
 from tessera.threads import set_num_threads
 
 WALL: dict = {}  # minimum wall seconds of the last median_times call, by key

@@ -112,7 +112,7 @@ def _candidates(g, x, gy, w, backends: list[str], masked: bool) -> dict[str, tup
         c["masked"] = (lambda: masked_aggregate(g, x, keep, "sum", w), lambda: masked_spmm_t(g, gy, keep, w))
         c["spmm*mask"] = (lambda: be.spmm(g, x, w) * keep, lambda: be.spmm_t(g, gy, w) * keep)
         c["masked-rows"] = (lambda: masked_aggregate(g, x, rows, "sum", w), lambda: masked_spmm_t(g, gy, rows, w))
-        from tessera.sparse.dropout import dropout
+        from tessera.kernels.dropout import dropout
         from tessera.sparse.masked import dropout_aggregate
 
         c["drop(spmm)"] = (lambda: dropout(be.spmm(g, x, w), 0.5), None)

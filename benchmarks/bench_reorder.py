@@ -20,7 +20,8 @@ import time
 import torch
 
 from tessera import sparse
-from tessera.graph import reorder as ro
+from tessera.graph import order as ro
+from tessera.graph.graph import Graph
 from tessera.graph.synthetic import generate
 from tessera.threads import set_num_threads
 
@@ -37,7 +38,7 @@ def main() -> None:
     args = p.parse_args()
     set_num_threads(args.threads)
     g = generate(args.graph, seed=0)
-    base = ro._structure_only(g)
+    base = Graph(g.indptr, g.indices, g.num_nodes, edge_weight=g.edge_weight, name=g.name)  # structure only
     print(f"{g.name}: {g.num_nodes:,} vertices, {g.num_edges:,} edges, {args.threads} threads")
     out: dict = {"graph": g.name, "threads": args.threads, "order_s": {}, "agg_s": {}}
     with tempfile.TemporaryDirectory() as cache:

@@ -30,7 +30,7 @@ input a random ReLU'd, dropped-out hidden matrix that needs a gradient, layer 1'
 features, which do not), the forward + backward time of the whole layer (relational sum, root,
 bias) with
 
-(a) every relational variant forced (:data:`tessera.sparse.relation_plan.VARIANTS`; run only
+(a) every relational variant forced (:data:`tessera.relational.plan.VARIANTS`; run only
     ``--variants``) and its relational GEMM FLOPs: rows multiplied x ``2 fi fo`` (forward;
     backward adds up to twice that), so the FLOPs unique-value extraction removes
     (``unique_source`` vs ``transform_first``) and the time it saves are visible (Fig. 17);
@@ -125,7 +125,7 @@ def _auto_variant(g, rel, fi: int, fo: int) -> str | None:
     """The variant ``auto`` chose for a layer of these widths on ``g`` (None: not decided yet)."""
     from tessera.backends.relational import decision_key
     from tessera.backends.select import lookup
-    from tessera.sparse.relation_plan import VARIANTS
+    from tessera.relational.plan import VARIANTS
 
     return lookup(g, decision_key(rel, fi, fo, "mean"), list(VARIANTS))
 
@@ -306,7 +306,7 @@ class _Layer:
 
     def forward(self, agg):
         """RGCNConv.forward with ``agg(x, W)`` as its relational sum: a callable computing the output."""
-        from tessera.sparse import linear
+        from tessera.dense import linear
 
         conv, x = self.conv, self.x
         return lambda: agg(x, conv.relation_weights()) + linear(x, conv.root.t()) + conv.bias
@@ -327,9 +327,9 @@ class _Ablation:
 
         from tessera.datasets import load
         from tessera.nn import build_model
+        from tessera.relational.gtask_kernels import OutlierPolicy, build_execution
+        from tessera.relational.plan import VARIANTS
         from tessera.sparse import as_operand
-        from tessera.sparse.gtask_kernels import OutlierPolicy, build_execution
-        from tessera.sparse.relation_plan import VARIANTS
 
         _set_threads(args.threads)
         self.args = args
@@ -352,7 +352,7 @@ class _Ablation:
             self.layers.append(_Layer(i, conv, x, {v: self._estimate_gib(v, fi, fo) for v in VARIANTS}))
 
     def gemm_rows(self, variant: str) -> int:
-        """Rows the variant multiplies by a relation weight (:mod:`tessera.sparse.relational`)."""
+        """Rows the variant multiplies by a relation weight (:mod:`tessera.relational.variants`)."""
         st = self.st
         return {
             "transform_first": st.relations * st.cols,
@@ -377,7 +377,7 @@ class _Ablation:
         """The benchmark's layer formula equals the model's layer (``auto``, which also makes or loads its decision)."""
         import torch
 
-        from tessera.sparse.relational import run_variant
+        from tessera.relational.variants import run_variant
 
         ref = layer.conv(layer.x, self.g).detach()
         out = layer.forward(lambda h, w: run_variant(self.rel, "unique_source", h, w, "mean"))().detach()
@@ -387,8 +387,8 @@ class _Ablation:
         """(a) every variant forced: rows and GEMM FLOPs, time (Fig. 17)."""
         from bench_gtask import WALL, WALL_MEDIAN, median_times, table
 
-        from tessera.sparse.relation_plan import VARIANTS, model_seconds
-        from tessera.sparse.relational import run_variant
+        from tessera.relational.plan import VARIANTS, model_seconds
+        from tessera.relational.variants import run_variant
 
         fi, fo, mem = layer.fi, layer.fo, self.args.mem_gib
         run = [v for v in self.variants if layer.est[v] <= mem]
@@ -421,8 +421,8 @@ class _Ablation:
         import torch
         from bench_gtask import THROUGHPUT_HEADER, median_times, table, throughput_rows
 
-        from tessera.sparse.gtask_kernels import build_execution, typed_message_sum
-        from tessera.sparse.relational import run_variant
+        from tessera.relational.gtask_kernels import build_execution, typed_message_sum
+        from tessera.relational.variants import run_variant
 
         x, w, norm = layer.x.detach(), layer.conv.relation_weights().detach(), self.norm
         ref = run_variant(self.rel, "unique_source", x, w, "mean")
@@ -439,7 +439,7 @@ class _Ablation:
         whose gathered rows and their gradients would exceed ``--mem-gib`` is skipped."""
         from bench_gtask import OUTLIER_HEADER, outlier_rows, table
 
-        from tessera.sparse.gtask_kernels import OutlierPolicy, build_execution, typed_message_sum
+        from tessera.relational.gtask_kernels import OutlierPolicy, build_execution, typed_message_sum
 
         norm, x, w = self.norm, layer.x, layer.conv.relation_weights()
         for text, p in plans.items():
@@ -491,9 +491,9 @@ def ablation(args: argparse.Namespace) -> None:
 
     from bench_gtask import K_PLAN, k_plans
 
-    from tessera.sparse.gtask import build_plan
-    from tessera.sparse.gtask_kernels import OutlierPolicy
-    from tessera.sparse.relation_plan import GTASK_RESTRICTIONS
+    from tessera.relational.gtask import build_plan
+    from tessera.relational.gtask_kernels import OutlierPolicy
+    from tessera.relational.plan import GTASK_RESTRICTIONS
 
     ab = _Ablation(args)
     st = ab.st

@@ -2,7 +2,7 @@
 
 ``dropout(x, 0.5) @ W^T`` and its weight gradient (one forward and backward, as a training step
 runs layer 0), over binary inputs of several densities: once on the sparse path
-(``tessera.sparse.sparse_features``, forced for every density) and once dense (``dropout_linear``'s
+(``tessera.dense.sparse_features``, forced for every density) and once dense (``dropout_linear``'s
 row chunks: hashed dropout into a small buffer, then the product), median of ``--repeats`` after a warm-up. The shapes are Cora's (2708 x 1433 to
 16), CiteSeer's (3327 x 3703 to 64), and two wider ones; the crossover density sets
 ``sparse_features.MAX_DENSITY``.
@@ -17,15 +17,15 @@ import argparse
 import torch
 from _runner import median_s
 
-import tessera.sparse.sparse_features as sf
-from tessera import sparse
+import tessera.dense.sparse_features as sf
+from tessera import dense
 from tessera.threads import set_num_threads
 
 SHAPES = ((2708, 1433, 16), (3327, 3703, 64), (50_000, 500, 256), (169_343, 128, 256))
 
 
 def _step(x: torch.Tensor, w: torch.Tensor) -> None:
-    sparse.dropout_linear(x, w, None, 0.5, True).sum().backward()
+    dense.dropout_linear(x, w, None, 0.5, True).sum().backward()
 
 
 def main(argv: list[str] | None = None) -> None:

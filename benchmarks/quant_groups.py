@@ -56,12 +56,12 @@ def bytes_table(dataset: str, parts: int, groups=GROUPS) -> None:
             wire.GROUP_ROWS = G
             for name, plan in settings.items():
                 s = summarize(rows, plan, (32, 2))
-                ratio = {m: s[m]["bits"][32]["epoch"]["bytes"] / s[m]["bits"][2]["epoch"]["bytes"] for m in s}
-                e32, e2 = s["prepost"]["bits"][32]["epoch"], s["prepost"]["bits"][2]["epoch"]
+                ratio = {m: s[m].bits[32].epoch.bytes / s[m].bits[2].epoch.bytes for m in s}
+                e32, e2 = s["prepost"].bits[32].epoch, s["prepost"].bits[2].epoch
                 desc = ", ".join(f"{w}{' fwd+bwd' if b else ' fwd'}" for w, b in plan)
                 print(
-                    f"| {G} | {name} | {desc} | {e32['bytes'] / 1e6:.2f} | {e2['bytes'] / 1e6:.2f} "
-                    f"| {e2['param_bytes'] / e2['bytes']:.1%} | {ratio['prepost']:.2f}x | {ratio['pre']:.2f}x "
+                    f"| {G} | {name} | {desc} | {e32.bytes / 1e6:.2f} | {e2.bytes / 1e6:.2f} "
+                    f"| {e2.param_bytes / e2.bytes:.1%} | {ratio['prepost']:.2f}x | {ratio['pre']:.2f}x "
                     f"| {ratio['post']:.2f}x |"
                 )
     finally:

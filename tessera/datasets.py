@@ -11,6 +11,7 @@ import warnings
 import zipfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,7 +106,7 @@ def _read_cached(path: Path) -> Graph | None:
     """The graph :func:`_write_cached` stored at ``path``; None if the file cannot be read."""
     try:
         with np.load(path, allow_pickle=False) as z:
-            arrays = {k: torch.from_numpy(z[k]) for k in _GRAPH_ARRAYS if k in z.files}
+            arrays: dict[str, Any] = {k: torch.from_numpy(z[k]) for k in _GRAPH_ARRAYS if k in z.files}
             facts = json.loads(str(z["facts"]))
         n = int(facts.pop("num_nodes"))
         return Graph(arrays.pop("indptr"), arrays.pop("indices"), n, **facts, **arrays)

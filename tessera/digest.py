@@ -2,7 +2,7 @@
 
 A graph's fingerprint keys every on-disk cache (vertex orders, backend choices, plans), so each run
 hashes its E-entry arrays at least twice. SHA-256 runs on the CPU's SHA extensions where it has
-them (1.40 GB/s here against blake2b's 0.72 GB/s, one thread, 96 MB of int32), and hashlib
+them (about twice blake2b's speed where it has them: docs/design/startup-caches.md), and hashlib
 releases the GIL on large buffers, so fixed-size chunks hash in parallel. The chunk size is fixed,
 so the digest does not depend on the thread count.
 """
@@ -35,7 +35,7 @@ def digest(header: str, arrays: Iterable[torch.Tensor | np.ndarray | None], size
             continue
         arr = np.ascontiguousarray(a.numpy() if isinstance(a, torch.Tensor) else a)
         marks.append((len(pieces), f"|{arr.dtype.str}{arr.shape}".encode()))
-        flat = memoryview(arr.reshape(-1).view(np.uint8))
+        flat = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy arrays are buffers
         pieces.extend(flat[i : i + CHUNK_BYTES] for i in range(0, len(flat), CHUNK_BYTES))
     threads = max(1, min(torch.get_num_threads(), len(pieces)))
     if threads > 1:

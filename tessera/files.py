@@ -19,7 +19,7 @@ def _temp_pattern(path: Path) -> re.Pattern[str]:
     return re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}" + re.escape(".tmp"))
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, rename it onto ``path``,
     then fsync the directory so the rename itself survives a crash."""
     path = Path(path)

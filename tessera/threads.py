@@ -15,12 +15,12 @@ def set_num_threads(n: int) -> None:
     # it before setting torch's (otherwise a fresh process asked for 1 thread silently runs 2).
     numba.get_num_threads()
     torch.set_num_threads(n)
-    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
 
 
 def sync_numba_threads() -> None:
     """Make numba follow ``torch.get_num_threads()`` (called before parallel kernels)."""
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
 

@@ -2,8 +2,8 @@
 
 Full-graph training allocates the same large shapes every step (activations, aggregation outputs,
 gradients). glibc serves each block above its mmap threshold with a fresh ``mmap`` and unmaps it
-on free, so every step page-faults all of them in again: on ``synthetic:arxiv`` a GCN epoch took
-345 k minor faults and 0.56 s of system time, 38 % of its CPU time (issue 16's profile). A
+on free, so every step page-faults all of them in again, a large share of a step's CPU time
+(``docs/design/workspace-memory.md``). A
 :class:`Workspace` keeps those blocks instead and hands one out again once nothing refers to it,
 so after the first step the pages stay mapped, without changing the process's allocator (the
 speed holds on any libc and inside any host process that imports tessera).
@@ -58,12 +58,11 @@ def advise_huge(ptr: int, nbytes: int) -> None:
     """Ask Linux for transparent huge pages behind the 2 MiB-aligned interior of ``[ptr, ptr + nbytes)``.
 
     Huge pages keep the TLB from missing on every gathered row, and memory the process wrote
-    before costs 0.11 s/GiB to write into again in them against 0.41 s/GiB in 4 KiB pages. Memory
-    new to the process is the host's to give: on the Intel VM of the benchmarks' sessions 11-15
-    huge pages were faster there too (87 MB: 4.7 ms against 17 ms), on the AMD EPYC VM of sessions
-    16-20 slower (1.9 s/GiB against 0.4-0.5; ``benchmarks/bench_startup.py --first-touch 2``):
-    that is paid once, in the first step, and steady steps are faster with them (RESULTS.md,
-    session 20). Best effort: any failure leaves the memory as it was."""
+    before is several times cheaper to write into again in them than in 4 KiB pages. Memory new
+    to the process is the host's to give: on some hosts huge pages are faster there too, on others
+    slower (``benchmarks/bench_startup.py --first-touch 2`` measures it); that is paid once, in the
+    first step, and steady steps are faster with them (``docs/design/workspace-memory.md``). Best
+    effort: any failure leaves the memory as it was."""
     if not sys.platform.startswith("linux") or _libc[:1] == [None]:
         return
     try:
@@ -172,7 +171,7 @@ def _tensor(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch
     t = torch.from_numpy(block.reshape(tuple(shape)))
     if t.dtype == dtype:
         return t
-    return torch.empty(0, dtype=dtype).set_(t.untyped_storage(), 0, tuple(shape))
+    return torch.empty(0, dtype=dtype).set_(t.untyped_storage(), 0, tuple(shape))  # type: ignore[call-overload]
 
 
 def _free(block: np.ndarray) -> bool:
@@ -188,7 +187,7 @@ def _new_block(numel: int, np_dtype: type) -> np.ndarray:
     itemsize = np.dtype(np_dtype).itemsize
     raw = np.empty(numel * itemsize + _ALIGN, np.uint8)
     offset = (-raw.ctypes.data) % _ALIGN
-    block = raw[offset : offset + numel * itemsize].view(np_dtype)
+    block: np.ndarray = raw[offset : offset + numel * itemsize].view(np_dtype)
     advise_huge(block.ctypes.data, block.nbytes)
     return block
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tessera.memo import tuning
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,15 @@ def _planetoid_dir() -> Path | None:
         candidates += [Path(root) / "planetoid", Path(root)]
     candidates.append(REPO.parent / "shared" / "datasets" / "planetoid")
     return next((c.resolve() for c in candidates if (c / "ind.cora.x").is_file()), None)
+
+
+@pytest.fixture
+def fresh_tuning():
+    """This process's tuning state (:data:`tessera.memo.tuning`) reset before and after the test:
+    nothing decided, forced or cached in memory, as in a new process."""
+    tuning.reset()
+    yield tuning
+    tuning.reset()
 
 
 @pytest.fixture(scope="session")

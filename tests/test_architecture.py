@@ -10,9 +10,24 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tessera"
 
-# Lower layers never import higher ones (same layer is fine). Data flows one way:
-# graph -> sparse primitives -> backends -> comm -> parallel strategies -> planner -> nn -> train -> cli.
-LAYERS = ["base", "graph", "sparse", "backends", "comm", "parallel", "planner", "nn", "train", "cli"]
+# Lower layers never import higher ones (same layer is fine). Data flows one way: kernel support ->
+# graph -> dense products | sparse primitives -> relational sums -> backends -> comm -> parallel
+# strategies -> planner -> nn -> train -> cli. dense and sparse are siblings: neither imports the other.
+LAYERS = [
+    "base",
+    "kernels",
+    "graph",
+    "dense",
+    "sparse",
+    "relational",
+    "backends",
+    "comm",
+    "parallel",
+    "planner",
+    "nn",
+    "train",
+    "cli",
+]
 LAYER_OF_TOP = {
     "errors": "base",
     "digest": "base",
@@ -23,8 +38,12 @@ LAYER_OF_TOP = {
     "bfloat16": "base",
     "datasets": "graph",  # loaders by name: a graph-layer module kept at the top for `tessera.datasets.load`
 }
-# Graph layers receive their operand and speak only in primitives.
-ONLY = {"nn": {"base", "sparse", "nn"}}
+# The primitives over an operand know neither the dense products nor relational sums (so the core
+# Operand never depends on gTasks); graph layers receive their operand and speak only in primitives.
+ONLY = {
+    "sparse": {"base", "kernels", "graph", "sparse"},
+    "nn": {"base", "dense", "sparse", "relational", "nn"},
+}
 # The facade (`import tessera`) registers the backends: it may import anything and nothing imports it.
 FACADES = {"tessera", "tessera.__main__"}
 
@@ -125,9 +144,12 @@ def test_the_checks_catch_what_they_claim(tmp_path):
         "tessera.nn.conv.gcn": {"tessera.backends.local"},
         "tessera.graph.graph": {"tessera"},
         "tessera.sparse.aggregate": {"tessera.graph.csr"},
+        "tessera.sparse.attend": {"tessera.dense.linear"},
+        "tessera.sparse.operand": {"tessera.relational.gtask"},
+        "tessera.nn.conv.sage": {"tessera.kernels.dropout"},
     }
     bad = violations(planted)
-    assert len(bad) == 3 and not any(b.startswith("tessera.sparse.aggregate") for b in bad), bad
+    assert len(bad) == 6 and not any(b.startswith("tessera.sparse.aggregate") for b in bad), bad
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     g = tmp_path / "probe2.py"
@@ -143,7 +165,7 @@ PROBING_ALLOWED = {
     "graph/formats/planetoid.py": "unpickled arrays: scipy sparse or numpy",
     "graph/formats/npz.py": "np.load returns an NpzFile or an array",
     "graph/partition/metis.py": "ctypes symbol lookup in pymetis's bundled METIS",
-    "sparse/gemm_path.py": "torch builds without oneDNN lack torch.ops.mkldnn",
+    "dense/gemm_path.py": "torch builds without oneDNN lack torch.ops.mkldnn",
     "datasets.py": "a synthetic generator module's optional PRESETS",
     "nn/conv/gin.py": "resetting the parameters of any torch module inside a user's MLP",
 }
@@ -168,8 +190,8 @@ def test_no_attribute_probing_dispatch(rel):
 
 
 def readme_backend_example() -> str:
-    """The python block of the README's "Adding a backend or a strategy" section."""
-    text = (PACKAGE.parent / "README.md").read_text()
+    """The python block of docs/architecture.md's "Adding a backend or a strategy" section."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     section = text.split("### Adding a backend or a strategy", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
@@ -182,7 +204,7 @@ def test_readme_example_backend_is_one_file_and_matches_the_reference(monkeypatc
     from tessera.datasets import load
 
     monkeypatch.setattr(base, "_BACKENDS", dict(base._BACKENDS))  # the registration ends with the test
-    exec(compile(readme_backend_example(), "README.md", "exec"), {})
+    exec(compile(readme_backend_example(), "docs/architecture.md", "exec"), {})
     assert "scatter" in base.available_backends()
     g = load("synthetic:tiny")
     gen = torch.Generator().manual_seed(0)

@@ -7,18 +7,20 @@ import numba
 import pytest
 import torch
 
-from tessera import sparse, workspace
+from tessera import dense, sparse, workspace
 from tessera.backends import select
 from tessera.backends.base import available_backends, get_backend
 from tessera.bfloat16 import as_numpy, narrow, widen
 from tessera.cli.main import main
 from tessera.datasets import load
+from tessera.dense import widened
+from tessera.dense.linear_act import Epilogue, linear_act
 from tessera.errors import ConfigError
 from tessera.graph import Graph
-from tessera.sparse import widened
-from tessera.sparse.linear_act import Epilogue, linear_act
 from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer, train
+
+pytestmark = pytest.mark.distributed  # starts worker processes
 
 BF16 = torch.bfloat16
 
@@ -136,14 +138,14 @@ def test_dropout_of_bfloat16_draws_float32s_mask_and_rounds_its_values(act):
     rows = torch.randperm(300)
     for p in (0.0, 0.4):
         torch.manual_seed(7)
-        got = sparse.act_dropout(x, act, p, True, rows)
+        got = dense.act_dropout(x, act, p, True, rows)
         torch.manual_seed(7)
-        want = sparse.act_dropout(x.float(), act, p, True, rows)
+        want = dense.act_dropout(x.float(), act, p, True, rows)
         assert got.dtype == BF16 and torch.equal(got, want.bfloat16())
         torch.manual_seed(7)
-        got = sparse.dropout(x, p, True, rows)
+        got = dense.dropout(x, p, True, rows)
         torch.manual_seed(7)
-        assert torch.equal(got, sparse.dropout(x.float(), p, True, rows).bfloat16())
+        assert torch.equal(got, dense.dropout(x.float(), p, True, rows).bfloat16())
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -238,7 +240,7 @@ def test_bf16_accuracy_on_cora_is_float32s(planetoid_root, tmp_path, model, seed
     # within 2 on one seed. GIN's single seeds land up to 3.4 points apart (seed 0 on an AVX2-only
     # CPU: fp32 78.2, bf16 74.8) and its mean settles only at about ten seeds (77.23 against
     # 77.19), minutes of a test run: benchmarks/bench_precision.py measures it, as every model, at
-    # 5 or more seeds on Cora, CiteSeer and synthetic:arxiv (benchmarks/RESULTS.md).
+    # 5 or more seeds on Cora, CiteSeer and synthetic:arxiv (benchmarks/README.md).
     graph = load("cora", root=str(planetoid_root.parent))
     accs = {}
     for precision in ("fp32", "bf16"):

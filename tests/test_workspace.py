@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers import awkward_graph
-from tessera import sparse, workspace
+from tessera import dense, sparse, workspace
+from tessera.dense import gemm_path
 from tessera.nn.loss import cross_entropy_rows
-from tessera.sparse import gemm_path
 from tessera.workspace import Workspace
 
 
@@ -73,9 +73,9 @@ def test_relu_dropout_is_the_composition_bit_for_bit(p, rows):
     a = x.clone().requires_grad_()
     b = x.clone().requires_grad_()
     torch.manual_seed(7)
-    ya = sparse.act_dropout(a, "relu", p, True, ids)
+    ya = dense.act_dropout(a, "relu", p, True, ids)
     torch.manual_seed(7)
-    yb = sparse.dropout(torch.relu(b), p, True, ids)
+    yb = dense.dropout(torch.relu(b), p, True, ids)
     assert torch.equal(ya, yb)
     g = torch.randn_like(ya)
     ya.backward(g)
@@ -85,14 +85,14 @@ def test_relu_dropout_is_the_composition_bit_for_bit(p, rows):
 
 def test_act_dropout_draws_what_dropout_draws():
     torch.manual_seed(3)
-    sparse.act_dropout(torch.randn(10, 4), "relu", 0.5)
+    dense.act_dropout(torch.randn(10, 4), "relu", 0.5)
     after_fused = torch.rand(1)
     torch.manual_seed(3)
-    sparse.dropout(torch.relu(torch.randn(10, 4)), 0.5)
+    dense.dropout(torch.relu(torch.randn(10, 4)), 0.5)
     assert torch.equal(after_fused, torch.rand(1)), "one seed drawn, as dropout draws one"
     torch.manual_seed(3)
-    sparse.act_dropout(torch.randn(10, 4), "relu", 0.5, training=False)
-    sparse.act_dropout(torch.randn(10, 4), "relu", 0.0)
+    dense.act_dropout(torch.randn(10, 4), "relu", 0.5, training=False)
+    dense.act_dropout(torch.randn(10, 4), "relu", 0.0)
     after_none = torch.rand(1)
     torch.manual_seed(3)
     torch.randn(10, 4)
@@ -107,24 +107,22 @@ def test_elu_dropout_matches_torch(p):
     a = x.clone().requires_grad_()
     b = x.clone().requires_grad_()
     torch.manual_seed(5)
-    ya = sparse.act_dropout(a, "elu", p)
+    ya = dense.act_dropout(a, "elu", p)
     torch.manual_seed(5)
-    yb = sparse.dropout(F.elu(b), p)
+    yb = dense.dropout(F.elu(b), p)
     torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-12)
     g = torch.randn_like(ya)
     ya.backward(g)
     yb.backward(g)
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
-    assert torch.autograd.gradcheck(
-        lambda t: sparse.act_dropout(t, "elu", 0.0), (a[:20, :5].detach().requires_grad_(),)
-    )
+    assert torch.autograd.gradcheck(lambda t: dense.act_dropout(t, "elu", 0.0), (a[:20, :5].detach().requires_grad_(),))
 
 
 def test_act_dropout_refuses_unknown_activation_and_probability():
     with pytest.raises(ValueError, match="unknown activation"):
-        sparse.act_dropout(torch.randn(3, 3), "tanh", 0.5)
+        dense.act_dropout(torch.randn(3, 3), "tanh", 0.5)
     with pytest.raises(ValueError, match="dropout probability"):
-        sparse.act_dropout(torch.randn(3, 3), "relu", 1.5)
+        dense.act_dropout(torch.randn(3, 3), "relu", 1.5)
 
 
 def test_a_smaller_request_takes_a_free_block_at_most_twice_its_size():
@@ -211,7 +209,7 @@ def test_linear_add_accumulates_in_place_with_the_gradients_of_an_add():
     base = torch.randn(3000, 16, requires_grad=True)
     acc = base * 1.0
     ptr = acc.data_ptr()
-    got = sparse.linear_add_(acc, x, w)
+    got = dense.linear_add_(acc, x, w)
     assert got.data_ptr() == ptr
     torch.testing.assert_close(got, base * 1.0 + F.linear(x, w), rtol=1e-5, atol=1e-5)
     g = torch.randn(3000, 16)

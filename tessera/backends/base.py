@@ -28,11 +28,10 @@ def traffic_bytes(matrix: CSRStructure, width: int, weighted: bool, transposed: 
     return (rows + 1) * matrix.indptr.element_size() + nnz * (index + (4 if weighted else 0)) + 4 * width * (nnz + rows)
 
 
-# Bytes per second of the csr kernel on gathered rows (efficiency 1.0): 17 GB/s measured on one
-# thread for a 675 x 2708 Cora block at width 1433 (one rank of four); the per-call overheads of
-# the backends were measured on the same blocks at widths 7 and 16 (12-17 us reference, 24-40 us
-# csr and dense_block). With them tiny per-rank products go to the reference backend and wide
-# or large ones to csr, as those measurements do.
+# Bytes per second of the csr kernel on gathered rows (efficiency 1.0), measured on one thread; the
+# backends' per-call overheads (``call_overhead_s``) were measured on the same blocks at narrow
+# widths. With them tiny per-rank products go to the reference backend and wide or large ones to
+# csr, as those measurements do (docs/design/backend-selection.md).
 REFERENCE_BANDWIDTH = 17e9
 
 
@@ -69,7 +68,7 @@ class Backend(ABC):
         """``weight`` in transposed-CSR order. For a weight that does not require grad (a fixed
         edge weight such as the GCN normalisation) the permuted copy is kept while ``weight`` is
         alive and its version counter unchanged, so it is permuted once, not every backward
-        (6-10 ms on arxiv). Trainable weights are permuted every call: gradcheck and other
+        (docs/design/aggregation-kernels.md). Trainable weights are permuted every call: gradcheck and other
         callers change them through ``.data``, which the version counter does not see; so are
         weights in workspace blocks, each a value of one step (:func:`changes_every_step`)."""
         # perm as stored (int32 where it fits): no int64 copy of E entries kept; a fixed CPU weight

@@ -8,28 +8,28 @@ item's share is split along the feature dimension into cache-line tiles, a secon
 the same kernel over the cached source-major (transposed) CSR. ``masked_spmm`` is S-SpMM
 (MixGCN §3.2.1, see :mod:`tessera.sparse.masked`).
 
-What makes it fast (single-thread CPU time on ``synthetic:arxiv`` at width 128, against a plain
-kernel accumulating ``out[i, f] +=`` per edge, which takes about 3x MKL's time):
+What makes it fast, against a plain kernel accumulating ``out[i, f] +=`` per edge (each point's
+figures: ``docs/design/aggregation-kernels.md``):
 
 * **software prefetch** of the neighbour rows ``dist`` edges ahead (every cache line of the row,
   through ``llvm.prefetch``): the gather is latency-bound and hardware prefetchers cannot follow
-  the indirection; about 3.5x by itself;
+  the indirection; the largest gain by far;
 * the prefetch loop is a ``while``, not ``range(0, n, step)``: numba computes a range's length
-  with an integer division, once per edge here; 25 % faster;
+  with an integer division, once per edge here;
 * four edges per inner iteration (independent loads in flight, the accumulator loaded and
-  stored once per four edges): 25 % faster than one, eight no better than four;
-* a compile-time feature width of 128 (fully unrolled AVX-512 loop): 5-12 % faster than the
-  generic loop; wider products run as passes over 128-feature column blocks, so that more of
-  the gathered rows stay in cache (width 256: 0-8 % faster than one pass, 512: 19 %);
+  stored once per four edges): faster than one, and eight are no better than four;
+* a compile-time feature width of 128 (fully unrolled AVX-512 loop), faster than the generic
+  loop; wider products run as passes over 128-feature column blocks, so that more of the
+  gathered rows stay in cache;
 * explicit 2-D indexing ``x[j, f]`` with indices numba can prove non-negative: with ``f0 + f``
   signed, numba's wrap-around selects turned the feature loop into gathers;
 * outputs from the workspace (:func:`new_output`), blocks kept between steps on transparent huge
-  pages: first-touching a fresh 87 MB output in 4 KiB pages cost 17 ms, in 2 MiB pages 4.7 ms,
-  and a kept block costs nothing.
+  pages: a fresh output is cheaper to first-touch in 2 MiB pages than in 4 KiB ones, and a kept
+  block costs nothing.
 
 Tried without gain: accumulating straight into ``out`` instead of a local buffer (not faster;
 unvectorised unless the feature loop is ``range(F)``), non-temporal stores of the output rows
-(5-10 % slower), ``fastmath`` (no faster, and it would let the tile and full-row paths round
+(slower), ``fastmath`` (no faster, and it would let the tile and full-row paths round
 differently), dynamic scheduling with more work items (no change).
 
 No ``fastmath``: every sum is evaluated in the written order, so the full-row and feature-tile
@@ -39,11 +39,11 @@ paths (which one runs depends on the thread count) give bitwise-identical rows.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -51,14 +51,15 @@ from numba.extending import intrinsic
 from tessera import workspace
 from tessera.backends.base import Backend, changes_every_step
 from tessera.bfloat16 import as_numpy, compute_dtype, narrow, widen
+from tessera.dense.liveness import live_rows
 from tessera.graph.csr import CSRStructure
-from tessera.sparse.sparsity import sparse_rows
+from tessera.kernels.llvm import prefetch
 from tessera.threads import sync_numba_threads
 
 _TILE = 16  # float32 per cache line (64 B)
 _COLUMN_BLOCK = 128  # features per pass of a wide product
 _ITEMS_PER_THREAD = 8
-_JIT = {"parallel": True, "cache": True, "nogil": True}
+_JIT: dict[str, Any] = {"parallel": True, "cache": True, "nogil": True}
 
 
 # ---------------------------------------------------------------------------------- prefetch
@@ -75,19 +76,15 @@ def _prefetch(typingctx, arr, row, col):
             context.cast(builder, args[2], colty, types.intp),
         ]
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, idx, wraparound=False, boundscheck=False)
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        prefetch(builder, ptr)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 def prefetch_distance(width: int, itemsize: int = 4) -> int:
-    """Edges to prefetch ahead: about 12 KiB of rows in flight, at most 32 edges (measured best
-    on arxiv: 32 edges at width 64, 24 at 128, 8-12 at 256 float32)."""
+    """Edges to prefetch ahead: about 12 KiB of rows in flight, between 4 and 32 edges (the
+    distances that ran best at each width: docs/design/aggregation-kernels.md)."""
     return int(min(32, max(4, 12288 // max(1, width * itemsize))))
 
 
@@ -125,7 +122,7 @@ def work_items(indptr: np.ndarray, width: int, threads: int) -> np.ndarray:
 # ``_make_rows(W)`` sums rows ``r0 .. r1`` over the feature range ``[f0, f0 + nf)`` and writes
 # them; ``W`` is a compile-time width (the feature loop is then fully unrolled) or 0 for any
 # width. Each is a separate function called once per work item, not numba IR inlined into the
-# parallel kernel: inlining made numba's own compiler passes take ~20 s per signature. ``f0`` and
+# parallel kernel: inlining made numba's own compiler passes far slower per signature. ``f0`` and
 # ``nf`` are unsigned so numba emits no wrap-around selects. Every variant (and the masked
 # kernel) groups edges the same way, four at a time with pairwise sums, and no fastmath is used,
 # so a row's value does not depend on which variant, feature tiling or thread count computed it.
@@ -142,8 +139,8 @@ def _prefetch_row(x, indices, p, last, f0, nf, step):
         _prefetch(x, jp, c)
         c += step
     # A row that is not a whole number of cache lines wide starts mid-line, so the steps above
-    # miss its last line: one demand miss per edge made width 47 run 2.5x slower per feature
-    # than 48 on products (260 -> 130-155 ms with this). step is a power of two (% would divide).
+    # miss its last line: one demand miss per edge made such widths run much slower per feature
+    # than whole-line ones (docs/design/aggregation-kernels.md). step is a power of two (% would divide).
     if x.shape[1] & (step - 1):
         _prefetch(x, jp, end - 1)
 
@@ -223,7 +220,7 @@ def _spmm(indptr, indices, w, has_w, x, out, items, dist):
 # like the plain kernel; where many rows are skipped that would fetch rows nobody needs, so a
 # cursor walks the edges of the live rows ``dist`` edges ahead of the computation and prefetches
 # the live tiles of each. The cursor is written out in place with scalar state: as an inlined
-# numba helper returning a tuple it cost 40 ns per edge, 30x the same loop written out.
+# numba helper returning a tuple it cost many times the same loop written out.
 
 
 @numba.njit(nogil=True)
@@ -327,7 +324,7 @@ def _masked_item(indptr, indices, w, has_w, x, mask, words, scale, has_scale, ou
                     for d in range(cnt):
                         _prefetch_row(x, indices, e + dist + d, last, fu, nf, ustep)
                 elif walk:
-                    # the warm-up's cursor advance, written out again (a helper cost 30x: see above)
+                    # the warm-up's cursor advance, written out again (a helper is far slower: see above)
                     for _ in range(cnt):  # prefetch the cursor edge's live tiles, advance it
                         if cq < nlive:
                             jp = indices[ce]
@@ -508,8 +505,8 @@ def live_subgraph(indptr: np.ndarray, indices: np.ndarray, live: np.ndarray) -> 
 def column_passes(indptr: np.ndarray, width: int, threads: int) -> list[np.ndarray]:
     """Work items per pass over column blocks of at most ``_COLUMN_BLOCK`` features: a wide
     product runs as one parallel pass per block, so the rows being gathered at a time span
-    one block of every neighbour's row and more of them stay in cache (width 256 as two
-    passes of 128: 8 % faster on arxiv, width 512: 19 %; blocks of 64: slower)."""
+    one block of every neighbour's row and more of them stay in cache (faster at widths 256 and
+    512 than one pass; blocks of 64 are slower: docs/design/aggregation-kernels.md)."""
     if width <= _COLUMN_BLOCK + _COLUMN_BLOCK // 2:
         return [work_items(indptr, width, threads)]
     passes = []
@@ -554,7 +551,7 @@ class CSRBackend(Backend):
         """For ``A^T x`` with mostly-zero rows of ``x``: the transposed CSR kept to the edges into
         live rows, those edges' positions, and its work items; None when too many rows are live.
         Cached per live-row pattern (the training rows' pattern repeats every epoch)."""
-        live = sparse_rows(x)
+        live = live_rows(x)
         if live is None:
             return None
         plans = self.plans.get(graph, "live_plans", dict)
@@ -580,7 +577,7 @@ class CSRBackend(Backend):
 
     def _run(self, graph: CSRStructure, transposed: bool, x: torch.Tensor, w: torch.Tensor | None, out=None, wpos=None):
         sync_numba_threads()
-        given = x  # sparse_rows remembers its last answer by the caller's tensor object
+        given = x  # live_rows remembers its last answer by the caller's tensor object
         x = workspace.contiguous(x.detach())
         rows = graph.num_cols if transposed else graph.num_rows
         if out is None:
@@ -659,7 +656,7 @@ class CSRBackend(Backend):
         words = (torch.nn.functional.pad(m, (0, pad)) if pad else m).view(torch.int64)
         wn, sn = _arith(weight, x), _arith(row_scale, x, 1.0)
         # one pass over all features: 128-feature column passes, a gain for the plain product,
-        # made the masked one slower (width 256: 136-175 ms against 111 ms single-threaded)
+        # made the masked one slower (docs/design/aggregation-kernels.md)
         items = self._items(graph, transposed, x.shape[1])
         dist = prefetch_distance(x.shape[1], x.element_size())
         _spmm_masked(

@@ -226,7 +226,14 @@ class DenseBlockBackend(Backend):
         }
 
     # ------------------------------------------------------------------ products
+    def _gather_pool(self) -> ThreadPoolExecutor:
+        """The thread that gathers the next batch's columns while this one multiplies."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-gather")
+        return self._pool
+
     def _product(self, plan: BlockPlan, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        assert plan.remainder is not None  # a plan without dense blocks goes to the remainder backend whole
         w_rem = None if weight is None else weight.index_select(0, plan.rem_eid)
         # A tiny remainder is not worth a parallel kernel launch (and the csr backend's work
         # splitter mishandles rows with fewer non-zeros than work items): torch handles it.
@@ -237,14 +244,12 @@ class DenseBlockBackend(Backend):
         vals = plan.values(x.dtype, weight)
         width = x.shape[1]
         if self.config.pipeline and plan.num_batches > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-gather")
-            nxt = self._pool.submit(torch.index_select, x, 0, plan.cols[0])
+            nxt = self._gather_pool().submit(torch.index_select, x, 0, plan.cols[0])
         for i, (n, r, c, off) in enumerate(plan.shapes):
             if self.config.pipeline and plan.num_batches > 1:
                 xs = nxt.result()
                 if i + 1 < plan.num_batches:
-                    nxt = self._pool.submit(torch.index_select, x, 0, plan.cols[i + 1])
+                    nxt = self._gather_pool().submit(torch.index_select, x, 0, plan.cols[i + 1])
             else:
                 xs = x.index_select(0, plan.cols[i])
             a = vals[off : off + n * r * c]

@@ -10,20 +10,20 @@ import torch
 from tessera.backends import select
 from tessera.backends.base import Backend, available_backends, check_backend, get_backend
 from tessera.backends.relational import choose_variant
+from tessera.dense.liveness import live_rows
 from tessera.digest import digest
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix, CSRStructure, select_rows
 from tessera.graph.relations import edge_types
 from tessera.memo import PlanCache
-from tessera.sparse.operand import Operand
-from tessera.sparse.relation_plan import Relations
-from tessera.sparse.sparsity import sparse_rows
+from tessera.relational.operand import RelationalOperand
+from tessera.relational.plan import Relations
 
 _derived = PlanCache()  # per graph: the normalised / self-looped graphs its variants multiply with
 
 
-class LocalOperand(Operand):
+class LocalOperand(RelationalOperand):
     """``matrix`` with ``values`` (``None``: all ones), computed on ``backend``; ``row_vertices``
     when its rows are a selection of a graph's (:meth:`rows_of`)."""
 
@@ -72,7 +72,7 @@ class LocalOperand(Operand):
         # A backward gradient that is zero in most rows (loss on the training vertices only) goes
         # to a backend whose transposed product gathers only the live rows; the measured choice
         # was made on dense inputs.
-        if direction == "backward" and sparse_rows(x) is not None:
+        if direction == "backward" and live_rows(x) is not None:
             for name in available_backends():
                 if get_backend(name).row_sparse_t:
                     return get_backend(name)

@@ -88,7 +88,7 @@ def time_orders(
     (:func:`vertex_order`). Candidates are interleaved within every rep so machine noise hits all
     alike. ``backend="auto"`` picks the backend once, for the original numbering, and times every
     order with it. No pair of rounds starts once the timed ones have taken
-    :data:`ORDER_TRIAL_BUDGET_S` per width (on a products-sized graph a round takes 3-5 s)."""
+    :data:`ORDER_TRIAL_BUDGET_S` per width (on a large graph one round takes seconds)."""
     ws = order_widths(width)
     base = _structure_only(graph)
     graphs: dict[str, Graph] = {}
@@ -140,9 +140,8 @@ def choose_order(
     """The candidate whose order makes the aggregations at ``width`` fastest in total, or
     ``"none"`` unless it beats the original numbering by more than ``margin`` (a fraction).
     ``width`` is one feature width or the widths a model aggregates at. One numbering serves a
-    whole run, so the total is what counts: on ``synthetic:arxiv`` at widths 128 and 256 this
-    trial measured 94 ms for the original numbering and 78 ms for METIS
-    (``benchmarks/bench_kernels.py --order auto``, ``benchmarks/RESULTS.md``). The decision is
+    whole run, so the total is what counts (``benchmarks/bench_kernels.py --order auto``;
+    docs/design/backend-selection.md). The decision is
     cached in memory and on disk (per fingerprint, widths, backend and thread count), so it is
     measured once and later runs on the same graph train in the same numbering."""
     ws = order_widths(width)

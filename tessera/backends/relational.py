@@ -1,7 +1,7 @@
 """``variant="auto"`` for relational aggregation: pick the RGCN variant per (graph, widths, reduce).
 
 The rule, as :func:`tessera.backends.select.choose` does for kernels: the cost model
-(:func:`tessera.sparse.relational.variant_cost`, FLOPs and bytes of a forward and backward pass)
+(:func:`tessera.relational.variants.variant_cost`, FLOPs and bytes of a forward and backward pass)
 prunes every variant modelled more than ``PRUNE_FACTOR`` (2x) slower than the best; when one
 survives, or the problem is too small for a trial to pay (fewer than ``_TRIAL_MIN_FLOPS``
 modelled FLOPs), the model's best is taken. Otherwise each survivor runs one forward and backward
@@ -24,8 +24,8 @@ import time
 import torch
 
 from tessera.backends import select
-from tessera.sparse.relation_plan import Relations, ranked_variants, variant_cost
-from tessera.sparse.relational import run_variant
+from tessera.relational.plan import Relations, ranked_variants, variant_cost
+from tessera.relational.variants import run_variant
 
 _TRIAL_REPS = 2
 WARMUP_FACTOR = 3.0  # a warm-up slower than this times the fastest one drops the variant ...

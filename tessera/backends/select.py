@@ -28,7 +28,7 @@ from tessera.backends.base import available_backends, get_backend
 from tessera.errors import ConfigError
 from tessera.files import atomic_write, default_cache_dir
 from tessera.graph.csr import CSRStructure
-from tessera.memo import PlanCache
+from tessera.memo import PlanCache, tuning
 
 _CACHE_VERSION = 2
 _TRIAL_REPS = 3
@@ -42,9 +42,8 @@ _TRIAL_OUT = 2.0
 _TRIAL_BUDGET_S = 2.0
 # A backend that keeps a plan of the matrix's entries is chosen only when it beats the fastest
 # one that keeps none by more than this share: a trial's times leave out the plan's memory and
-# its build on the first product (0.95 s and 283 MB for a products-sized graph's whole width-47
-# aggregation), and differences under it are the shared machine's noise (dense_block had "won"
-# that product by 0.3 %; benchmarks/RESULTS.md, session 30).
+# its build on the first product (for a large graph, most of a second and hundreds of megabytes),
+# and differences under it are a shared machine's noise (docs/design/backend-selection.md).
 _PLAN_MARGIN = 0.05
 _DIRECTIONS = ("forward", "backward")
 _lock = threading.Lock()
@@ -70,6 +69,18 @@ def modelled_only() -> Iterator[None]:
         yield
     finally:
         _state.modelled_only = before
+
+
+@contextmanager
+def forced(name: str) -> Iterator[None]:
+    """Within this block, :func:`choose` answers backend ``name`` for every product (tests and
+    benchmarks)."""
+    get_backend(name)  # an unknown name is refused here
+    before, tuning.forced_backend = tuning.forced_backend, name
+    try:
+        yield
+    finally:
+        tuning.forced_backend = before
 
 
 def cache_file() -> Path:
@@ -119,9 +130,11 @@ def model_cost(name: str, matrix: CSRStructure, width: int, weighted: bool, tran
 
 def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, direction: str) -> str:
     """Name of the backend to use for this product (``direction`` "forward" multiplies by A,
-    "backward" by A^T), from memory, the disk cache, the cost model, or a measured trial."""
+    "backward" by A^T): forced, or from memory, the disk cache, the cost model, or a measured trial."""
     if direction not in _DIRECTIONS:
         raise ValueError(f"direction must be one of {_DIRECTIONS}, got {direction!r}")
+    if tuning.forced_backend is not None:
+        return tuning.forced_backend
     width = int(torch.Size(x.shape[1:]).numel())
     heads = int(x.shape[1]) if x.dim() == 3 else 1
     key = decision_key(matrix, width, weight is not None, heads, direction, x.dtype)
@@ -194,11 +207,11 @@ def pick(seconds: dict[str, float]) -> str:
     def keeps(name: str) -> bool:
         return name in registered and get_backend(name).keeps_entry_plan
 
-    fastest = min(seconds, key=seconds.get)
+    fastest = min(seconds, key=seconds.__getitem__)
     plain = [n for n in seconds if not keeps(n)]
     if not keeps(fastest) or not plain:
         return fastest
-    other = min(plain, key=seconds.get)
+    other = min(plain, key=seconds.__getitem__)
     return other if seconds[other] <= seconds[fastest] * (1 + _PLAN_MARGIN) else fastest
 
 
@@ -224,8 +237,9 @@ def measure(
     runs alternate (after one warm-up call each), so a slow spell of a shared machine falls on
     all of them rather than on one. After each round a backend over :data:`_TRIAL_OUT` times
     the fastest is out, and no round starts once one backend is left or the timed rounds have
-    taken :data:`_TRIAL_BUDGET_S`: on a products-sized graph one call takes 0.7-3.7 s, and four calls of every
-    backend per product made a first GAT step take 115 s, 95 of them in trials."""
+    taken :data:`_TRIAL_BUDGET_S`: on a large graph one call can take seconds, and a fixed number of
+    calls of every backend per product made a cold first step mostly trials
+    (docs/design/backend-selection.md)."""
     # The inputs themselves, not detached copies: a backend treats a weight that requires grad
     # as changing every step, as it will in training, and keeps nothing derived from it.
     calls = {}

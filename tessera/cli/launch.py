@@ -142,7 +142,8 @@ def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
     threads = {k: os.environ.get(k, share) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
     # Rank 0 keeps the terminal (progress bar, messages); the others write to files the
     # launcher reads only to name a failure, so a shared error is printed once, not N times.
-    logs = [None] + [tempfile.TemporaryFile(mode="w+") for _ in range(1, nprocs)]
+    worker_logs = [tempfile.TemporaryFile(mode="w+") for _ in range(1, nprocs)]
+    logs = [None, *worker_logs]
     try:
         for rank in range(nprocs):
             env = {
@@ -165,7 +166,7 @@ def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
         for p in procs:
             p.wait()
         texts = {r: _log_text(log) for r, log in enumerate(logs) if log is not None}
-        for log in logs[1:]:
+        for log in worker_logs:
             log.close()
     if failed is None:
         return 0

@@ -7,9 +7,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from tessera.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.planner.plan import Plan
 
 DESCRIPTION = """\
 Plan a model's layers for P ranks as `tessera train --strategy auto` does: model every candidate
@@ -117,6 +121,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     t0 = time.perf_counter()
     g = load(cfg.dataset, name=cfg.name)
     g.require("x", "y")
+    assert g.num_classes is not None  # set with the labels
     model = build_model(
         cfg.model, g.num_features, cfg.hidden, int(g.num_classes), cfg.layers, heads=cfg.heads, norm=cfg.norm,
         label_classes=int(g.num_classes) if cfg.label_prop > 0 else 0,
@@ -129,12 +134,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.model_only or cfg.nprocs == 1:
         rec = _model_only(g, cfg, options, probe, bits, args)
     else:
-        rec = _measured(g, cfg, options, probe, bits, factor, args)
-        if not rec:
+        measured = _measured(g, cfg, options, probe, bits, factor, args)
+        if measured is None:
             return 0  # a non-zero rank: rank 0 prints
-    rec["total_s"] = time.perf_counter() - t0
+        rec = measured
+    total_s = time.perf_counter() - t0
     if args.json:
-        sys.stdout.write(json.dumps({k: v for k, v in rec.items() if k != "key"}, indent=1) + "\n")
+        doc = {**replace(rec, key=None).to_dict(), "total_s": total_s}
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
         from tessera.planner.report import format_plan
 
@@ -146,7 +153,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _model_only(g, cfg, options, probe, bits, args) -> dict[str, Any]:
+def _model_only(g, cfg, options, probe, bits, args) -> Plan:
     from tessera.graph.partition import partition
     from tessera.planner.calibrate import local_rates
     from tessera.planner.candidates import Context
@@ -158,11 +165,11 @@ def _model_only(g, cfg, options, probe, bits, args) -> dict[str, Any]:
     rates = local_rates(g, cfg.nprocs, link, cfg.backend, aggregate_widths(probe))
     part = partition(g, cfg.nprocs, cfg.partition, cfg.seed)
     rec = model_plan(Context(g, cfg.nprocs, part, options, rates, bits), probe)
-    rec["planning_s"] = time.perf_counter() - t0
-    return rec
+    return replace(rec, planning_s=time.perf_counter() - t0)
 
 
-def _measured(g, cfg, options, probe, bits, factor, args) -> dict[str, Any]:
+def _measured(g, cfg, options, probe, bits, factor, args) -> Plan | None:
+    """The measured plan on rank 0 (None on the other ranks)."""
     from tessera.comm.group import init_from_env, shutdown
     from tessera.planner.plan import plan_layers
 
@@ -173,4 +180,4 @@ def _measured(g, cfg, options, probe, bits, factor, args) -> dict[str, Any]:
         shutdown(clean=False)
         raise
     shutdown(clean=True)
-    return rec if comm.rank == 0 else {}
+    return rec if comm.rank == 0 else None

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from tessera.comm.wire import COMM_BITS
 from tessera.errors import ConfigError
 from tessera.graph.partition.halo import MODES
 from tessera.planner.model import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US, DEFAULT_QUANT_GBPS
+
+if TYPE_CHECKING:
+    from tessera.planner.optimum import ChoiceCheck
+    from tessera.planner.plan import CandidateRow, Plan
+    from tessera.planner.report import SimulatedRun
 
 DESCRIPTION = """\
 Compute, without starting any process, the rows and bytes every ordered pair of P ranks exchanges
@@ -114,7 +119,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_QUANT_GBPS,
         help=f"throughput of quantize/dequantize/LayerNorm streaming in GB/s, TH_cal (default {DEFAULT_QUANT_GBPS}: "
-        "STREAM triad on this 2-core machine, benchmarks/RESULTS.md)",
+        "a STREAM triad measured on a 2-core CPU; see docs/design/planner-calibration.md)",
     )
     s.add_argument("--method", default="metis", help="metis | range | random (default metis)")
     s.add_argument("--seed", type=int, default=0, help="partition seed, as train --seed (default 0)")
@@ -171,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
     from tessera.datasets import load
     from tessera.nn import build_model
     from tessera.planner.model import CommModel, project, project_tensor
-    from tessera.planner.report import format_table, format_table5, to_json, write_plot
-    from tessera.planner.volume import hybrid_volumes, simulate_volumes, tensor_volumes
+    from tessera.planner.report import SimulatedRun, format_table, format_table5, to_json, write_plot
+    from tessera.planner.volume.hybrid import hybrid_volumes
+    from tessera.planner.volume.partition import simulate_volumes
+    from tessera.planner.volume.tensor import tensor_volumes
     from tessera.train.config import check_range
 
     parts = _ints(args.parts, "--parts")
@@ -212,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         heads=args.heads,
         num_relations=g.num_relations or 0,
     )
-    for conv, place in zip(model.convs, placements):
+    for conv, place in zip(model.layers, placements):
         conv.place(place)
     specs = model.describe()
     runs = []
@@ -223,45 +230,39 @@ def run(args: argparse.Namespace) -> int:
         )
         t1 = time.perf_counter()
         proj = project(vol, m)
-        vol["timing_s"]["model"] = time.perf_counter() - t1
-        vol["timing_s"]["total"] = time.perf_counter() - t
-        runs.append({"vol": vol, "proj": proj})
+        model_s = time.perf_counter() - t1
+        timing = replace(vol.timing_s, model=model_s, total=time.perf_counter() - t)
         # the arguments tensor_volumes and hybrid_volumes take after their own
         shared = (args.method, args.seed, args.norm, args.label_prop, bits, args.pipeline_stages, args.dropout)
+        tv = None
         if "tensor" in strategies:
             tv = tensor_volumes(g, p, specs, *shared)
-            tv["time_s"] = project_tensor(tv, m)
-            runs[-1]["tensor"] = tv
-        runs[-1]["hybrid"] = [
-            hybrid_volumes(g, p, k, specs, mode, *shared) for k in groups.get(p, []) for mode in modes
-        ]
+            tv = replace(tv, time_s=project_tensor(tv, m))
+        hybrid = tuple(hybrid_volumes(g, p, k, specs, mode, *shared) for k in groups.get(p, []) for mode in modes)
+        runs.append(SimulatedRun(vol=replace(vol, timing_s=timing), proj=proj, tensor=tv, hybrid=hybrid))
     if args.plan:
-        for r, plan in zip(runs, modelled_plans(g, runs, args, m, int(out_dim))):
-            r["plan"] = plan
+        runs = [
+            replace(r, plan=plan, check=check)
+            for r, (plan, check) in zip(runs, modelled_plans(g, runs, args, m, int(out_dim)))
+        ]
     plot = str(write_plot(runs, args.plot)) if args.plot else None
     if args.json:
-        doc = json.loads(to_json(runs, m, plot, args.table_layer))
-        for out, r in zip(doc["runs"], runs):
-            for extra in ("tensor", "plan"):
-                if extra in r:
-                    out[extra] = {k: v for k, v in r[extra].items() if not k.startswith("_")}
-            if r["hybrid"]:
-                out["hybrid"] = [{k: v for k, v in h.items() if not k.startswith("_")} for h in r["hybrid"]]
-        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        sys.stdout.write(to_json(runs, m, plot, args.table_layer) + "\n")
         return 0
-    v0 = runs[0]["vol"]
+    v0 = runs[0].vol
+    widths, backward = list(v0.widths), list(v0.backward)
     print(
-        f"{v0['dataset']}: {v0['vertices']:,} vertices, {v0['edges']:,} edges; {args.model} {v0['in_dim']}->"
-        f"{args.hidden}x{args.layers - 1}->{v0['out_dim']}, exchange widths {v0['widths']}"
-        f"{' (0: aggregated once, in the first epoch)' if 0 in v0['widths'] else ''}, backward exchange per layer "
-        f"{v0['backward']}; {args.method} partition, seed {args.seed}"
+        f"{v0.dataset}: {v0.vertices:,} vertices, {v0.edges:,} edges; {args.model} {v0.in_dim}->"
+        f"{args.hidden}x{args.layers - 1}->{v0.out_dim}, exchange widths {widths}"
+        f"{' (0: aggregated once, in the first epoch)' if 0 in widths else ''}, backward exchange per layer "
+        f"{backward}; {args.method} partition, seed {args.seed}"
     )
     print(
         f"model: BW {m.bandwidth_gbps:g} GB/s, latency {m.latency_us:g} us, quantization {m.quant_gbps:g} GB/s; "
         "MB = 1e6 bytes, per training epoch (forward + backward); evaluation forwards not included"
     )
     print(format_table(runs))
-    if runs[0]["vol"]["placements"]:
+    if runs[0].vol.placements:
         print()
         print(format_placements(runs))
     for r in runs:
@@ -279,21 +280,22 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"load {load_s:.2f} s")
     for r in runs:
-        ts = r["vol"]["timing_s"]
+        ts = r.vol.timing_s
         print(
-            f"P={r['vol']['parts']}: {ts['total']:.2f} s (partition {ts['partition']:.2f} s, pair rows {ts['rows']:.2f} s, "
-            f"bytes {ts['bytes']:.2f} s, model {ts['model']:.2f} s); cut edges {r['vol']['cut_edges']:,}"
+            f"P={r.vol.parts}: {ts.total:.2f} s (partition {ts.partition:.2f} s, pair rows {ts.rows:.2f} s, "
+            f"bytes {ts.bytes:.2f} s, model {ts.model:.2f} s); cut edges {r.vol.cut_edges:,}"
         )
     if plot:
         print(f"wrote {plot}")
     return 0
 
 
-def format_tensor_table(runs: list[dict[str, Any]]) -> str:
+def format_tensor_table(runs: list[SimulatedRun]) -> str:
     """Tensor parallelism's volume per P (per bit width) beside prepost's fp32 volume, and the
     first P where tensor's fp32 volume is the smaller."""
-    bits = list(runs[0]["tensor"]["bits"]) if runs else []
-    stages = runs[0]["tensor"]["stages"] if runs else 1
+    tensors = [r.tensor for r in runs if r.tensor is not None]
+    bits = list(tensors[0].bits) if tensors else []
+    stages = tensors[0].stages if tensors else 1
     lines = [
         f"tensor parallelism (MixGCN), per training epoch{f', {stages} pipeline stages' if stages > 1 else ''}:",
         f"{'P':>6} "
@@ -303,25 +305,28 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
     ]
     crossover = None
     for r in runs:
-        tv = r["tensor"]
-        pre = r["vol"]["modes"].get("prepost", {}).get("bits", {}).get(32)
-        pre_bytes = pre["epoch"]["bytes"] if pre else None
-        ratio = tv["bytes"] / pre_bytes if pre_bytes else None
+        tv = r.tensor
+        if tv is None:
+            continue
+        prepost = r.vol.modes.get("prepost")
+        pre = prepost.bits.get(32) if prepost is not None else None
+        pre_bytes = pre.epoch.bytes if pre else None
+        ratio = tv.bytes / pre_bytes if pre_bytes else None
         if ratio is not None and ratio < 1 and crossover is None:
-            crossover = tv["parts"]
+            crossover = tv.parts
         lines.append(
-            f"{tv['parts']:>6} "
-            + " ".join(f"{tv['bits'][b]['bytes'] / 1e6:>14.3f}" for b in bits)
-            + f" {tv['max_rank_bytes'] / 1e6:>14.3f} {tv['feature_bytes_max'] / 1e6:>16.3f} "
-            f"{tv['flops_max_over_mean']:>15.3f} "
+            f"{tv.parts:>6} "
+            + " ".join(f"{tv.bits[b].bytes / 1e6:>14.3f}" for b in bits)
+            + f" {tv.max_rank_bytes / 1e6:>14.3f} {tv.feature_bytes_max / 1e6:>16.3f} "
+            f"{tv.flops_max_over_mean:>15.3f} "
             + (f"{pre_bytes / 1e6:>11.3f} {ratio:>14.2f}x" if pre_bytes else f"{'-':>11} {'-':>15}")
             + (
-                f" {r['vol']['feature_bytes_max']['prepost'] / 1e6:>21.3f} {r['vol']['flops_max_over_mean']:>23.3f}"
+                f" {r.vol.feature_bytes_max['prepost'] / 1e6:>21.3f} {r.vol.flops_max_over_mean:>23.3f}"
                 if pre_bytes
                 else ""
             )
         )
-    if any("prepost" in r["vol"]["modes"] for r in runs):
+    if any("prepost" in r.vol.modes for r in runs):
         lines.append(
             f"tensor moves fewer fp32 bytes than prepost from P = {crossover} on (of the simulated P)"
             if crossover
@@ -330,19 +335,19 @@ def format_tensor_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_placements(runs: list[dict[str, Any]]) -> str:
+def format_placements(runs: list[SimulatedRun]) -> str:
     """Per P and bit width, each relational layer's forward exchange under both placements (all
     ranks' bytes) and the one the run takes."""
     lines = ["relational layers' placement (forward exchange, MB over all ranks; * taken, fixed: by --placement):"]
     for r in runs:
-        for bits, layers in r["vol"]["placements"].items():
+        for bits, layers in r.vol.placements.items():
             for la in layers:
-                mark = {la["placement"]: "*"}
+                mark = {la.placement: "*"}
                 lines.append(
-                    f"P={r['vol']['parts']:>6} {bits:>2}b layer {la['layer']}: "
-                    f"{mark.get('gather', ' ')}gather {la['gather_bytes'] / 1e6:.6f}  "
-                    f"{mark.get('transform-first', ' ')}transform-first {la['transform_first_bytes'] / 1e6:.6f}"
-                    f"{'  (fixed)' if la['fixed'] else ''}"
+                    f"P={r.vol.parts:>6} {bits:>2}b layer {la.layer}: "
+                    f"{mark.get('gather', ' ')}gather {la.gather_bytes / 1e6:.6f}  "
+                    f"{mark.get('transform-first', ' ')}transform-first {la.transform_first_bytes / 1e6:.6f}"
+                    f"{'  (fixed)' if la.fixed else ''}"
                 )
     return "\n".join(lines)
 
@@ -359,7 +364,7 @@ def _groups(text: str, parts: int) -> list[int]:
     return sorted(set(values))
 
 
-def format_hybrid_table(runs: list[dict[str, Any]]) -> str:
+def format_hybrid_table(runs: list[SimulatedRun]) -> str:
     """Hybrid parallelism's volume per P, M and halo mode (per bit width: in all, the row groups'
     all-to-alls and the column groups' halo exchanges apart, the busiest sender) beside partition
     parallelism's volume in the same mode and bits (M = 1 is partition, M = P tensor)."""
@@ -369,23 +374,26 @@ def format_hybrid_table(runs: list[dict[str, Any]]) -> str:
         f"{'busiest MB':>11} {'partition MB':>13} {'hybrid/partition':>17}",
     ]
     for r in runs:
-        for h in r.get("hybrid", []):
-            for bits, v in h["bits"].items():
-                part = r["vol"]["modes"].get(h["mode"], {}).get("bits", {}).get(bits)
-                pb = part["epoch"]["bytes"] if part else None
+        for h in r.hybrid:
+            for bits, v in h.bits.items():
+                same = r.vol.modes.get(h.mode)
+                part = same.bits.get(bits) if same is not None else None
+                pb = part.epoch.bytes if part else None
                 lines.append(
-                    f"{h['parts']:>6} {h['groups']:>5} {h['parts'] // h['groups']:>5}  {h['mode']:<8} {bits:>4} "
-                    f"{v['bytes'] / 1e6:>12.3f} {v['alltoall_bytes'] / 1e6:>14.3f} {v['halo_bytes'] / 1e6:>11.3f} "
-                    f"{v['max_rank_bytes'] / 1e6:>11.3f} "
-                    + (f"{pb / 1e6:>13.3f} {v['bytes'] / pb:>16.2f}x" if pb else f"{'-':>13} {'-':>17}")
+                    f"{h.parts:>6} {h.groups:>5} {h.parts // h.groups:>5}  {h.mode:<8} {bits:>4} "
+                    f"{v.bytes / 1e6:>12.3f} {v.alltoall_bytes / 1e6:>14.3f} {v.halo_bytes / 1e6:>11.3f} "
+                    f"{v.max_rank_bytes / 1e6:>11.3f} "
+                    + (f"{pb / 1e6:>13.3f} {v.bytes / pb:>16.2f}x" if pb else f"{'-':>13} {'-':>17}")
                 )
     return "\n".join(lines)
 
 
-def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, out_dim: int) -> list[dict[str, Any]]:
+def modelled_plans(
+    g, runs: list[SimulatedRun], args: argparse.Namespace, m, out_dim: int
+) -> list[tuple[Plan, ChoiceCheck]]:
     """The planner's modelled plan for each run's P (compute rates timed once, here, on the
-    smallest P's share of the graph; the link from ``m``), over the runs' own pair rows, with
-    ``check``: whether each layer's choice is its modelled optimum with every candidate's
+    smallest P's share of the graph; the link from ``m``), over the runs' own pair rows, with its
+    check: whether each layer's choice is its modelled optimum with every candidate's
     communication from the simulator's blocks (:mod:`tessera.planner.optimum`)."""
     from tessera.graph.partition.halo import MODES
     from tessera.nn import build_model
@@ -394,7 +402,7 @@ def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, o
     from tessera.planner.candidates import Context
     from tessera.planner.optimum import check_choices, optimum_layers
     from tessera.planner.plan import aggregate_widths, model_plan
-    from tessera.planner.volume import simulate_volumes
+    from tessera.planner.volume.partition import simulate_volumes
     from tessera.train.config import TrainConfig
     from tessera.train.planning import model_probe
 
@@ -407,48 +415,44 @@ def modelled_plans(g, runs: list[dict[str, Any]], args: argparse.Namespace, m, o
     )
     probe = model_probe(model, cfg)
     options = StrategyOptions(partition=args.method, seed=args.seed, pipeline_stages=args.pipeline_stages)
-    rates = local_rates(g, min(r["vol"]["parts"] for r in runs), m, widths=aggregate_widths(probe))
+    rates = local_rates(g, min(r.vol.parts for r in runs), m, widths=aggregate_widths(probe))
     plans = []
     for r in runs:
-        vol = r["vol"]
-        if not set(MODES) <= set(vol["_rows"]):
+        vol = r.vol
+        if not set(MODES) <= set(vol.rows):
             vol = simulate_volumes(
-                g, vol["parts"], model.describe(), MODES, (32,), args.method, args.seed, args.norm,
+                g, vol.parts, model.describe(), MODES, (32,), args.method, args.seed, args.norm,
                 args.label_prop, args.model, args.dropout,
             )  # fmt: skip
-        ctx = Context(g, vol["parts"], vol["_part"], options, rates)
-        ctx._memo["rows"] = vol["_rows"]
+        ctx = Context(g, vol.parts, vol.part, options, rates)
+        ctx.use_pair_rows(vol.rows)
         plan = model_plan(ctx, probe)
-        plan["check"] = check_choices(plan, optimum_layers(ctx, probe, vol))
-        plans.append(plan)
+        plans.append((plan, check_choices(plan, optimum_layers(ctx, probe, vol))))
     return plans
 
 
-def format_plan_sweep(runs: list[dict[str, Any]]) -> str:
+def format_plan_sweep(runs: list[SimulatedRun]) -> str:
     """Per P, each layer's modelled choice and time, and the modelled step time of every layer's
     best candidate of each kind beside it; then whether every choice is the modelled optimum with
     the communication from the simulator's blocks."""
     lines = ["planner, modelled (ms per training step of each layer; * the choice):"]
     for r in runs:
-        plan = r["plan"]
-        check = plan["check"]
-        wrong = [
-            f"layer {i} optimum {o}" for i, (ok, o) in enumerate(zip(check["matches"], check["optimum"])) if not ok
-        ]
+        plan, check = r.plan, r.check
+        if plan is None or check is None or plan.layers is None:
+            continue
+        wrong = [f"layer {i} optimum {o}" for i, (ok, o) in enumerate(zip(check.matches, check.optimum)) if not ok]
         lines.append(
-            f"P={plan['world']:>6} choice = modelled optimum (communication from the simulator's blocks): "
+            f"P={plan.world:>6} choice = modelled optimum (communication from the simulator's blocks): "
             + ("yes" if not wrong else "NO (" + ", ".join(wrong) + ")")
-            + f"; candidates' modelled communication within {check['comm_rel_diff']:.1e} of it"
+            + f"; candidates' modelled communication within {check.comm_rel_diff:.1e} of it"
         )
-        for la in plan["layers"]:
-            best: dict[str, dict] = {}
-            for c in la["candidates"]:
-                best.setdefault(c["kind"], c)
-            others = "  ".join(f"{k} {c['modelled_ms']:.2f}" for k, c in best.items())
-            top = la["candidates"][0]
-            lines.append(
-                f"P={plan['world']:>6} layer {la['layer']}: *{top['label']:<40} {top['modelled_ms']:>10.2f}   ({others})"
-            )
+        for la in plan.layers:
+            best: dict[str, CandidateRow] = {}
+            for c in la.candidates:
+                best.setdefault(c.kind, c)
+            others = "  ".join(f"{k} {c.modelled_ms:.2f}" for k, c in best.items())
+            top = la.candidates[0]
+            lines.append(f"P={plan.world:>6} layer {la.layer}: *{top.label:<40} {top.modelled_ms:>10.2f}   ({others})")
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ finished and its decoded rows consumed before the same exchange runs again."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,7 +86,7 @@ class Blocks:
 class Pending:
     """An exchange in flight: wait with :meth:`BlockExchange.finish_blocks`."""
 
-    work: object | None
+    work: dist.Work | None
     out: torch.Tensor
     recv: Blocks
     own: torch.Tensor | None  # this rank's block to itself, copied rather than coded
@@ -205,7 +206,7 @@ class BlockExchange:
                 rows = p.recv.rows[a:b]
                 view = values[at[a] : at[b]].view(sum(rows), width)
                 decode(p.out[starts[a] : starts[b]], width, self.bits, list(rows), out=view)
-            if skip is not None:
+            if p.own is not None:
                 values[at[me] : at[me + 1]].copy_(p.own.reshape(-1))
         return values
 
@@ -222,7 +223,7 @@ def _run_values(data: torch.Tensor | list[torch.Tensor], send: Blocks, a: int, b
 class Exchange(BlockExchange):
     """Rows to and from every peer: ``send_counts[q]`` rows go to rank ``q`` forward."""
 
-    def __init__(self, comm: Comm, send_counts: list[int], recv_counts: list[int]) -> None:
+    def __init__(self, comm: Comm, send_counts: Iterable[int], recv_counts: Iterable[int]) -> None:
         super().__init__(comm)
         self.send_counts, self.recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
 

@@ -32,15 +32,15 @@ would leave its peers waiting in ``all_to_all``). Groups whose span overflows fl
 value decodes to within one step ``S`` of its group of the input, plus the float32 rounding of
 the result.
 
-The random bits come from lowbias32, the hash of :mod:`tessera.sparse.dropout`, one hash per two
+The random bits come from lowbias32, the hash of :mod:`tessera.kernels.dropout`, one hash per two
 values (16 bits each): value ``32c + i`` of a row (``i < 32``) takes half ``i // 16`` of the hash
 of pair ``16c + i % 16``, so 16 hashes in one vector serve 32 values without shuffles. Both
 passes are explicit 16-lane LLVM IR (numba would widen 32-bit hashes to 64-bit lanes and reduce
 each row's min/max horizontally); on AVX-512BW hosts the pack pass takes 64 values at a time and
 packs their codes with byte packs and multiply-adds. The pack pass prefetches the input a few
 groups ahead, so DRAM keeps streaming while the core quantizes. Throughput on 1 M x 256, 2
-threads, against the STREAM triad of the same run: ``benchmarks/bench_quantize.py``, tables in
-``benchmarks/RESULTS.md``.
+threads, against the STREAM triad of the same run: ``benchmarks/bench_quantize.py``; figures in
+``docs/design/quantize-kernels.md``.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tessera.comm.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
-from tessera.sparse.hashing import const, index_hash, lowbias32_ir
-from tessera.sparse.hashing import hash32 as _hash32
-from tessera.sparse.hashing import hash_u32 as _hash_u32
+from tessera.kernels.hashing import const, index_hash, lowbias32_ir
+from tessera.kernels.hashing import hash32 as _hash32
+from tessera.kernels.hashing import hash_u32 as _hash_u32
+from tessera.kernels.llvm import call_intrinsic, prefetch
 from tessera.threads import sync_numba_threads
 
 _F32_MAX = np.float64(np.finfo(np.float32).max)
@@ -99,18 +100,9 @@ def _bits_f32(typingctx, v):
 _F32X16 = ir.VectorType(ir.FloatType(), 16)
 
 
-def _call(builder, name: str, ret: ir.Type, *args):
-    """A call of the LLVM intrinsic ``name`` on ``args``, declared on first use. The x86 ones are
-    only emitted where ``_AVX512BW`` holds."""
-    fn = builder.module.globals.get(name) or ir.Function(
-        builder.module, ir.FunctionType(ret, [a.type for a in args]), name
-    )
-    return builder.call(fn, list(args))
-
-
 def _reduce16(builder, op: str, v):
     """``llvm.vector.reduce.<op>`` of a 16 x float32 vector."""
-    return _call(builder, f"llvm.vector.reduce.{op}.v16f32", ir.FloatType(), v)
+    return call_intrinsic(builder, f"llvm.vector.reduce.{op}.v16f32", ir.FloatType(), v)
 
 
 _LANES = 4  # independent accumulators in _value_range: min, max and fma chains have latency
@@ -238,19 +230,17 @@ _I32X16 = ir.VectorType(_I32, 16)
 # Each vector kernel prefetches the input this many bytes past the values it quantizes, a few
 # lines per chunk. Hardware prefetchers stop at 4 KiB pages, and a group of 4 rows of width 256
 # is one page: without this, the min/max pass of every group waited for DRAM with the core idle
-# and the pack pass ran with the memory idle. Measured from 4 to 16 KiB: 9 and 10 KiB best, 8
-# and 12 KiB 3-6 % slower, 4 KiB 9-25 % slower; into L2 instead of L1, 4-13 % slower. One burst
-# of a whole group's lines before each group was no faster than none.
+# and the pack pass ran with the memory idle. 9 to 10 KiB ran best of the distances from 4 to 16
+# KiB, into L1 better than into L2, and one burst of a whole group's lines before each group was no
+# faster than none (docs/design/quantize-kernels.md).
 _PREFETCH_BYTES = 10240
 
 
 def _prefetch(builder, ptr, lines: int) -> None:
     """Prefetch (read, into L1) the ``lines`` cache lines from ``_PREFETCH_BYTES`` past ``ptr``."""
     base = builder.bitcast(ptr, ir.IntType(8).as_pointer())
-    read, keep, data = ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)
     for k in range(lines):
-        p = builder.gep(base, [ir.Constant(_I32, _PREFETCH_BYTES + 64 * k)])
-        _call(builder, "llvm.prefetch.p0", ir.VoidType(), p, read, keep, data)
+        prefetch(builder, builder.gep(base, [ir.Constant(_I32, _PREFETCH_BYTES + 64 * k)]))
 
 
 def _sums16(builder, src, k: int, h, half: int, zero, inv16):
@@ -330,8 +320,7 @@ def _pack64(bits: int):
     16-lane vectors of 16.16 sums, go into one 64-byte vector by two word shuffles, a saturating
     byte pack (which clamps 8-bit codes at 255) and a qword permutation, then 4- and 2-bit codes
     merge within words and dwords by multiply-adds. Against ``_pack32``'s shifts and truncations
-    this makes 4- and 2-bit encoding as fast as 8-bit (``benchmarks/RESULTS.md``, quantized
-    exchange)."""
+    this makes 4- and 2-bit encoding as fast as 8-bit (``docs/design/quantize-kernels.md``)."""
     i16x32, i8x64 = ir.VectorType(ir.IntType(16), 32), ir.VectorType(ir.IntType(8), 64)
     i64x8 = ir.VectorType(ir.IntType(64), 8)
     high_words = ir.Constant(ir.VectorType(_I32, 32), list(range(1, 64, 2)))
@@ -345,15 +334,17 @@ def _pack64(bits: int):
             h = _pair_hashes(builder, builder.add(first, ir.Constant(_I32, 16 * k)), key)
             lo, hi = (builder.bitcast(_sums16(builder, src, 2 * k + i, h, i, zero, inv16), i16x32) for i in (0, 1))
             words.append(builder.shuffle_vector(lo, hi, high_words))
-        b = _call(builder, "llvm.x86.avx512.packuswb.512", i8x64, words[0], words[1])  # saturates at 255
+        b = call_intrinsic(builder, "llvm.x86.avx512.packuswb.512", i8x64, words[0], words[1])  # saturates at 255
         b = builder.bitcast(builder.shuffle_vector(*[builder.bitcast(b, i64x8)] * 2, order), i8x64)
         if bits < 8:
             qmax = const(i8x64, 2**bits - 1)
             b = builder.select(builder.icmp_unsigned(">", b, qmax), qmax, b)
             w = ir.Constant(i8x64, [1, 1 << bits] * 32)  # byte pairs -> one 2*bits-bit word
-            b = _call(builder, "llvm.x86.avx512.pmaddubs.w.512", i16x32, b, w)
+            b = call_intrinsic(builder, "llvm.x86.avx512.pmaddubs.w.512", i16x32, b, w)
             if bits == 2:  # word pairs -> one byte-valued dword
-                b = _call(builder, "llvm.x86.avx512.pmaddw.d.512", _I32X16, b, ir.Constant(i16x32, [1, 16] * 16))
+                b = call_intrinsic(
+                    builder, "llvm.x86.avx512.pmaddw.d.512", _I32X16, b, ir.Constant(i16x32, [1, 16] * 16)
+                )
             b = builder.trunc(b, ir.VectorType(ir.IntType(8), 64 * bits // 8))
         return b
 
@@ -362,7 +353,7 @@ def _pack64(bits: int):
 
 def _host_has_avx512bw() -> bool:
     """Whether numba compiles for this host and it has AVX-512BW (``_pack64``'s instructions)."""
-    if numba.config.CPU_NAME not in (None, "host") or numba.config.CPU_FEATURES:
+    if numba.config.CPU_NAME not in (None, "host") or numba.config.CPU_FEATURES:  # type: ignore[attr-defined]
         return False  # a portable target (e.g. NUMBA_CPU_NAME=generic): keep to generic IR
     try:
         return bool(llvm_binding.get_host_cpu_features().get("avx512bw"))
@@ -659,6 +650,8 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dt
 
 def _splits(splits, rows: int | None) -> list[int]:
     if splits is None:
+        if rows is None:
+            raise TypeError("splits is required: the row count of each block")
         return [rows]
     if isinstance(splits, (int, np.integer)):
         return [int(splits)]

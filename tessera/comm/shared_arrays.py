@@ -28,6 +28,7 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,7 +92,8 @@ def write_arrays(path: Path, arrays: Arrays) -> int:
     """Write ``arrays`` into one file at ``path`` (atomically): a JSON header naming each array's
     dtype, shape and offset, then the raw arrays; returns the file's size in bytes."""
     arrs = {k: np.ascontiguousarray(v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in arrays.items()}
-    entries, offset = [], 0
+    entries: list[list[Any]] = []  # [name, dtype, shape, offset] per array
+    offset = 0
     for name, a in arrs.items():
         entries.append([name, a.dtype.str, list(a.shape), offset])
         offset += -(-a.nbytes // _ALIGN) * _ALIGN
@@ -103,7 +105,7 @@ def write_arrays(path: Path, arrays: Arrays) -> int:
             f.write(_MAGIC + len(header).to_bytes(8, "little") + header)
             for (_, _, _, off), a in zip(entries, arrs.values()):
                 f.seek(start + off)
-                f.write(memoryview(a.reshape(-1)).cast("B"))
+                f.write(memoryview(a.reshape(-1)).cast("B"))  # type: ignore[arg-type]  # numpy arrays are buffers
             f.truncate(start + offset)
 
     atomic_write(path, write)

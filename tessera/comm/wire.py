@@ -14,7 +14,7 @@ exchanges (the 40-wide class gradient of an arxiv GCN carries 10 bytes of int2 d
 per-row scale and zero would nearly double it), while a larger group widens the quantization step
 of rows whose range is smaller than their neighbours'. Measured on ``synthetic:arxiv`` at P = 8
 (int2 bytes per fp32 bytes, 2-layer GCN epoch) and Cora int2 training (accuracy, quantization
-error): see ``benchmarks/RESULTS.md``, "Quantized exchange kernels". SuperGCN's fused kernel also
+error): ``benchmarks/quant_groups.py``, ``docs/design/quantize-kernels.md``. SuperGCN's fused kernel also
 takes 4 rows at a time (§7.3 (2)).
 """
 

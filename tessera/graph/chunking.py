@@ -18,7 +18,7 @@ Algorithm 2, as implemented here (``k = ceil(rows / chunk_rows)`` chunks):
    at most ``src_cap`` sources of each seed are expanded, so the phase costs ``O(E)`` plus at
    most ``k * src_cap * hub_cap`` expansion steps and the sort of each chunk's candidates (with
    the defaults at most ``4 * chunk_rows`` steps per vertex: linear in ``V`` for a fixed chunk
-   size; all of Alg. 2 measured 1 to 2.5 s on the synthetic arxiv, reddit and products graphs).
+   size; timings in docs/design/startup-caches.md).
 3. *Rest.* Rows still unvisited fill the unfilled chunks in id order (keeping whatever locality
    the vertex numbering already has).
 
@@ -257,8 +257,8 @@ def locality_chunking(graph, chunk_rows: int | None = None, transposed: bool = F
     """The :class:`Chunking` of a graph's destination rows (of its transpose's rows when
     ``transposed``); with ``disk_cache`` (default: on unless ``TESSERA_CHUNK_CACHE=0``) also
     stored under the tessera cache directory keyed by ``graph.fingerprint()`` (matrices without a
-    fingerprint are not stored), so a second run on the graph skips Algorithm 2 (0.6 s of a
-    products-sized GCN's first epoch). Callers keep the result; this recomputes."""
+    fingerprint are not stored), so a second run on the graph skips Algorithm 2 (a noticeable part
+    of a large graph's first epoch). Callers keep the result; this recomputes."""
     rows = chunk_rows or chunk_rows_for_cache()
     use_disk = disk_cache if disk_cache is not None else os.environ.get("TESSERA_CHUNK_CACHE") != "0"
     fingerprint = graph.fingerprint() if use_disk else None

@@ -71,6 +71,9 @@ class CSRStructure:
     indices: torch.Tensor
     num_rows: int  # rows of the matrix (destinations)
     num_cols: int  # columns of the matrix (sources)
+    edge_weight: torch.Tensor | None  # one value per entry (None: all ones)
+    edge_type: torch.Tensor | None  # one relation id per entry of a typed matrix
+    num_relations: int | None  # relations of a typed matrix (None: untyped)
     _structure: dict
 
     @property

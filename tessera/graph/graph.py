@@ -248,12 +248,12 @@ class Graph(CSRStructure):
 
     # ------------------------------------------------------------------ properties
     @property
-    def num_rows(self) -> int:
+    def num_rows(self) -> int:  # type: ignore[override]  # a graph's rows are its vertices, never set
         """Rows of the adjacency (destinations): ``num_nodes``."""
         return self.num_nodes
 
     @property
-    def num_cols(self) -> int:
+    def num_cols(self) -> int:  # type: ignore[override]  # a graph's columns are its vertices, never set
         """Columns of the adjacency (sources): ``num_nodes``."""
         return self.num_nodes
 
@@ -286,7 +286,7 @@ class Graph(CSRStructure):
         if self.num_relations is not None:
             h.update(f";r={self.num_relations}".encode())
         for t in (self.indptr, self.indices, self.edge_weight, self.edge_type):
-            h.update(b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy())
+            h.update(b"|" if t is None else t.to(torch.int64 if not t.is_floating_point() else t.dtype).numpy())  # type: ignore[arg-type]
         return h.hexdigest()
 
     # ------------------------------------------------------------------ transformations
@@ -314,16 +314,18 @@ class Graph(CSRStructure):
         missing ones get ``fill_value`` (and, on a typed graph, relation ``loop_type``)."""
         n = self.num_nodes
         weighted = self.edge_weight is not None or fill_value != 1.0
-        indptr, indices, take = with_self_loops(
+        indptr, indices, taken = with_self_loops(
             self.indptr.numpy(), self.indices.numpy(), weighted or self.edge_type is not None
         )
-        take = None if take is None else torch.from_numpy(take)
+        take = None if taken is None else torch.from_numpy(taken)
         weight = None
         if weighted:
+            assert take is not None
             base = self.edge_weight if self.edge_weight is not None else torch.ones(self.num_edges)
             weight = torch.cat([base, torch.full((n,), float(fill_value))]).index_select(0, take)
         etype = None
         if self.edge_type is not None:
+            assert take is not None
             loops = torch.full((n,), int(loop_type), dtype=torch.int64)
             etype = torch.cat([self.edge_type, loops]).index_select(0, take)
         node = {k: getattr(self, k) for k in ("x", "y", *_MASKS, "num_classes", "name", "num_relations")}
@@ -338,6 +340,7 @@ class Graph(CSRStructure):
         n = max(self.num_nodes, 1)
         key = dst * n + src
         if self.edge_type is not None:
+            assert self.num_relations is not None
             key = key * max(int(self.num_relations), 1) + self.edge_type
         uniq, inverse = torch.unique(key, return_inverse=True)
         first = torch.full((uniq.numel(),), self.num_edges, dtype=torch.int64)
@@ -379,6 +382,7 @@ class Graph(CSRStructure):
             g, values = self._gcn_values(add_self_loops, improved)
             out = g.replace(edge_weight=torch.from_numpy(values))
         if self.edge_weight is None:  # every weight 1 but the loops': the values are 1 / sqrt(d_i d_j) both ways
+            assert out.edge_weight is not None
             mark_mirrored(out.edge_weight)
         return out
 
@@ -424,9 +428,10 @@ class Graph(CSRStructure):
 
     def relation_counts(self) -> torch.Tensor:
         """Edges per relation (int64, length ``num_relations``); GraphError on an untyped graph."""
-        if self.edge_type is None:
+        edge_type, relations = self.edge_type, self.num_relations
+        if edge_type is None or relations is None:
             raise GraphError(f"graph {self.name!r} has no edge types (relations)")
-        return self._derived("relcount", lambda: torch.bincount(self.edge_type, minlength=self.num_relations))
+        return self._derived("relcount", lambda: torch.bincount(edge_type, minlength=relations))
 
     def degree_stats(self) -> dict[str, float]:
         """In-degree mean, max and percentiles (50/90/99)."""

@@ -2,8 +2,8 @@
 
 A derived structure of a products-sized graph (its renumbered CSR, its GCN-normalised one) takes a
 few hundred milliseconds to compute and as long again to read back into new memory: new pages cost
-the kernel (and a VM's host) 1.3-2.5 s/GiB on the benchmarks' VM (``benchmarks/bench_startup.py
---first-touch 2``). Mapped copy-on-write from its ``.npy`` files, it costs neither: the pages are
+the kernel (and a virtual machine's host) time to provide (``benchmarks/bench_startup.py
+--first-touch 2``; ``docs/design/workspace-memory.md``). Mapped copy-on-write from its ``.npy`` files, it costs neither: the pages are
 the page cache's, filled when the file was written or last read.
 """
 

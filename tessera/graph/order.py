@@ -20,7 +20,7 @@ the fastest only when it beats the original numbering by a margin. Orders are ke
 memory and on disk beside the partition cache (``$TESSERA_CACHE/orders``).
 
 The trainer (``--reorder``) trains in the new numbering and maps everything user-visible back.
-Dropout masks are keyed by the caller's vertex ids (``tessera.sparse.dropout``'s ``rows``), so a
+Dropout masks are keyed by the caller's vertex ids (``tessera.kernels.dropout``'s ``rows``), so a
 renumbered run draws the same masks for the same vertices as an unnumbered one.
 """
 
@@ -195,7 +195,7 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True, keep: bool = F
     ``features=False`` leaves ``x`` out (for callers that permute their own feature tensor).
     ``keep``: a renumbered structure of :data:`~tessera.graph.kept.KEEP_EDGES` entries or more is
     kept on disk beside the orders (``$TESSERA_CACHE/orders``) and mapped back by the next run
-    (products: renumbering took 0.46 s of set-up)."""
+    (renumbering a large graph is a large share of set-up: docs/design/startup-caches.md)."""
     n = graph.num_nodes
     perm = np.asarray(perm, dtype=np.int64)
     if not is_permutation(perm, n):
@@ -206,8 +206,8 @@ def permute_graph(graph: Graph, perm: Any, features: bool = True, keep: bool = F
     et = None if eid is None else torch.from_numpy(eid)
     pt = torch.from_numpy(perm)
     data: dict[str, Any] = {
-        "edge_weight": None if graph.edge_weight is None else graph.edge_weight.index_select(0, et),
-        "edge_type": None if graph.edge_type is None else graph.edge_type.index_select(0, et),
+        "edge_weight": None if graph.edge_weight is None or et is None else graph.edge_weight.index_select(0, et),
+        "edge_type": None if graph.edge_type is None or et is None else graph.edge_type.index_select(0, et),
         "x": graph.x[pt] if features and graph.x is not None else None,
         "y": None if graph.y is None else graph.y[pt],
         "num_classes": graph.num_classes,
@@ -240,7 +240,10 @@ def _kept_renumbering(
 
     def make() -> dict[str, np.ndarray]:
         indptr, src, eid = _renumbering(graph, perm, want_eid)
-        return {"indptr": indptr, "indices": src, "eid": eid}
+        made = {"indptr": indptr, "indices": src}
+        if eid is not None:
+            made["eid"] = eid
+        return made
 
     def fits(arrays: dict[str, np.ndarray]) -> bool:
         shaped = all((a.shape, a.dtype) == expected[name] for name, a in arrays.items())

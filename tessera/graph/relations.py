@@ -59,6 +59,7 @@ def edge_types(graph: CSRStructure) -> tuple[np.ndarray, int]:
             f"{graph!r} has no edge types: relational layers (RGCN) need a typed graph "
             "(a 'src rel dst' edge list, N-Triples, PyG data with edge_type, or synthetic:<preset>-rel)"
         )
+    assert graph.num_relations is not None  # set with edge_type
     return t.numpy(), int(graph.num_relations)
 
 

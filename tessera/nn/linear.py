@@ -1,15 +1,15 @@
-"""``Linear``: ``torch.nn.Linear`` computing through :func:`tessera.sparse.linear`."""
+"""``Linear``: ``torch.nn.Linear`` computing through :func:`tessera.dense.linear`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tessera import sparse
+from tessera import dense
 
 
 class Linear(nn.Linear):
-    """``torch.nn.Linear`` (same parameters, init and state dict) computing with :func:`tessera.sparse.linear`."""
+    """``torch.nn.Linear`` (same parameters, init and state dict) computing with :func:`tessera.dense.linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse.linear(x, self.weight, self.bias)
+        return dense.linear(x, self.weight, self.bias)

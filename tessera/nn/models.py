@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
-from tessera import sparse
+from tessera import dense
+from tessera.dense import dropout_mask, dropout_with_mask
 from tessera.errors import ConfigError
 from tessera.nn.conv import GATConv, GCNConv, GINConv, RGCNConv, SAGEConv, SAGELSTMConv
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.mlp import MLP
-from tessera.sparse import Epilogue, GraphOperand, LayerSpec
-from tessera.sparse.dropout import dropout_mask, dropout_with_mask
+from tessera.nn.plan import ExecutionPlan, InputDropout, build_plan
+from tessera.sparse import GraphOperand, LayerSpec
 from tessera.sparse.rows import take_rows
 
 
@@ -26,7 +28,7 @@ class GNN(nn.Module):
         convs: list[GraphConv],
         dropout: float,
         activation: str = "relu",
-        norms: list[nn.Module] | None = None,
+        norms: Sequence[nn.Module] | None = None,
         label_classes: int = 0,
         s_spmm: bool = False,
     ) -> None:
@@ -35,9 +37,10 @@ class GNN(nn.Module):
         self.norms = nn.ModuleList(norms) if norms else None
         self.dropout = dropout
         # S-SpMM where dropout/ReLU masks allow it. Off by default: with element-wise dropout masks
-        # every cache line of a gathered row stays live, so on CPU it measured slower (arxiv,
-        # jemalloc: 3-layer GCN step 836 vs 599 ms, GIN 810 vs 792 ms; benchmarks/RESULTS.md).
+        # every cache line of a gathered row stays live, so on CPU it measured slower
+        # (docs/design/s-spmm.md).
         self.s_spmm = s_spmm
+        self._plans: dict[tuple, ExecutionPlan] = {}
         self.activation = activation
         in_dim = convs[0].describe().in_width
         self.label_emb = nn.Embedding(label_classes, in_dim) if label_classes else None
@@ -46,16 +49,21 @@ class GNN(nn.Module):
 
     def reset_parameters(self) -> None:
         """Re-initialise every layer."""
-        for conv in self.convs:
+        for conv in self.layers:
             conv.reset_parameters()
         for norm in self.norms or []:
-            norm.reset_parameters()
+            norm.reset_parameters()  # type: ignore[operator]  # a LayerNorm, typed Module by its ModuleList
         if self.label_emb is not None:
             nn.init.zeros_(self.label_emb.weight)
 
+    @property
+    def layers(self) -> tuple[GraphConv, ...]:
+        """The graph layers in order (``convs`` holds them as a ModuleList, which types them as modules)."""
+        return cast("tuple[GraphConv, ...]", tuple(self.convs))
+
     def describe(self) -> list[LayerSpec]:
         """Each layer's :class:`LayerSpec`, in order."""
-        return [conv.describe() for conv in self.convs]
+        return [conv.describe() for conv in self.layers]
 
     def forward(
         self,
@@ -74,65 +82,65 @@ class GNN(nn.Module):
         ``targets`` (distinct int64 positions of ``x``'s rows) asks for only those vertices'
         logits, ``self(x, graph)[targets]`` with the same value and gradients: a training step
         whose loss reads the training vertices only. The last layer then computes only those
-        rows where it can (:attr:`GraphConv.takes_targets`)."""
+        rows where it can (:attr:`~tessera.nn.conv.base.Fusion.targets`)."""
         operands = list(graph) if isinstance(graph, Sequence) else [graph] * len(self.convs)
         if len(operands) != len(self.convs):
             raise ValueError(f"{len(operands)} operands for {len(self.convs)} layers")
+        plan = self.plan()
         # Layer 0's input is the same raw feature tensor at every call unless something before it
         # changes it: it may then be aggregated once (LayerHints.constant_input)
-        constant = self.norms is None and not x.requires_grad and (not self.training or self.dropout == 0.0)
+        constant = not x.requires_grad
         if self.label_emb is not None and label_rows is not None:
             # Even with no rows drawn, the input then requires grad on every rank, so all ranks
             # enter the same backward exchanges.
             x = x.index_add(0, label_rows, self.label_emb(labels).to(x.dtype))
             constant = False
-        # S-SpMM (MixGCN §3.2.1): with dropout right after a layer that aggregates last, its mask
-        # is drawn first and only the kept outputs are aggregated; a layer that aggregates its
-        # input first computes only the input-gradient entries ReLU and dropout let through.
-        # Same random draws in the same order, so the same values as the plain composition.
-        fuse = self.s_spmm and self.training and 0.0 < self.dropout < 1.0 and self.norms is None
         keep = None
-        last = len(self.convs) - 1
-        # Without norms the activation and the next layer's dropout run as one pass
-        # (sparse.act_dropout: the same draw at the same point, the same values).
-        fused_next = self.norms is None and not fuse
-        dropped = False
-        for i, conv in enumerate(self.convs):
-            if self.norms is not None:
-                x = self.norms[i](x)
-            # a layer that starts with a linear map of its input applies the dropout inside it
-            # (sparse.dropout_linear: the same draw, no dropped-out copy of x kept for backward)
-            left = not dropped and not fuse and keep is None and conv.takes_input_dropout and self.training
-            p_in = self.dropout if left else 0.0
-            if not dropped and not left:
-                x = (
-                    sparse.dropout(x, self.dropout, self.training, rows)
-                    if keep is None
-                    else dropout_with_mask(x, keep, self.dropout)
-                )
-            uses_in, uses_out = conv.s_spmm_sides() if fuse else (False, False)
-            grad_mask = x != 0 if uses_in and i > 0 and self.activation == "relu" and x.requires_grad else None
-            keep = None
-            if uses_out and i < last:
-                keep = dropout_mask((x.shape[0], conv.describe().out_width), self.dropout, rows)
-            dropped = fused_next and i < last
-            # between layers: the activation, and the next layer's dropout too where it is fused;
-            # a layer that ends in a dense transform applies them in the same node (sparse.linear_act)
-            p = self.dropout if dropped and self.training else 0.0
-            epilogue = None
-            if i < last and conv.takes_epilogue and not fuse:
-                # nothing but the next layer reads x, and nothing asks for its gradient: the next
-                # layer's linear map may leave its input-gradient product to the epilogue's node
-                epilogue = Epilogue(self.activation, p, mask_only=not self.convs[i + 1].keeps_input(), takes_owed=True)
-            own = targets if i == last and conv.takes_targets else None
-            x = conv(x, operands[i], LayerHints(grad_mask, keep, rows, constant and i == 0, epilogue, p_in, own))
-            if i < last and epilogue is None:
-                # as with the epilogue above, the next layer's linear map may leave its
-                # input-gradient product to this node
-                x = sparse.act_dropout(x, self.activation, p, self.training, rows, takes_owed=True)
-        if targets is not None and not self.convs[last].takes_targets:
+        for step, conv, operand in zip(plan.steps, self.layers, operands, strict=True):
+            if step.norm and self.norms is not None:
+                x = self.norms[step.index](x)
+            if step.input_dropout is InputDropout.MODEL:
+                x = dense.dropout(x, self.dropout, plan.training, rows)
+            elif step.input_dropout is InputDropout.MASK:
+                assert keep is not None  # drawn by the step before
+                x = dropout_with_mask(x, keep, self.dropout)
+            grad_mask = x != 0 if step.input_grad_mask and x.requires_grad else None
+            keep = dropout_mask((x.shape[0], step.out_width), self.dropout, rows) if step.draws_output_mask else None
+            hints = LayerHints(
+                input_grad_mask=grad_mask,
+                output_mask=keep,
+                rows=rows,
+                constant_input=constant and step.constant_input,
+                epilogue=step.epilogue,
+                input_dropout=step.layer_dropout,
+                targets=targets if step.targets else None,
+            )
+            x = conv(x, operand, hints)
+            if step.activation_dropout is not None:
+                # as with an epilogue, the next layer's linear map may leave its input-gradient
+                # product to this node
+                x = dense.act_dropout(x, self.activation, step.activation_dropout, plan.training, rows, takes_owed=True)
+        if targets is not None and not plan.last_takes_targets:
             x = take_rows(x, targets)
         return x
+
+    def plan(self) -> ExecutionPlan:
+        """The execution plan for the current training mode, dropout, S-SpMM setting and the layers'
+        placements, built on first use and kept (:func:`~tessera.nn.plan.build_plan`)."""
+        layers = self.layers
+        key = (self.training, self.dropout, self.s_spmm, tuple(conv.aggregate_first for conv in layers))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build_plan(
+                [conv.fusion() for conv in layers],
+                [spec.out_width for spec in self.describe()],
+                training=self.training,
+                dropout=self.dropout,
+                activation=self.activation,
+                norms=self.norms is not None,
+                s_spmm=self.s_spmm,
+            )
+        return plan
 
 
 def _gin_mlp(i: int, o: int, hidden: int) -> nn.Module:

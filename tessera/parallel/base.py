@@ -40,9 +40,11 @@ class Shard:
         """Rows ``ids`` of ``graph`` (every row when ``ids`` is None)."""
         graph.require("x", "y", "train_mask", "val_mask", "test_mask")
 
-        def rows(t: torch.Tensor) -> torch.Tensor:
+        def rows(t: torch.Tensor | None) -> torch.Tensor:
+            assert t is not None  # required above
             return t if ids is None else t[ids]
 
+        assert graph.num_classes is not None  # set with the labels
         return cls(
             ids=torch.arange(graph.num_nodes) if ids is None else ids,
             x=rows(graph.x),
@@ -100,7 +102,8 @@ class ExchangeOperand(Operand):
         return self._product(g, BACKWARD)
 
     def sddmm_dot(self, g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.edge_structure()  # raises: no rank holds every edge's endpoints
+        self.edge_structure()  # raises: no rank holds every edge's endpoints
+        raise NotImplementedError(f"{type(self).__name__} computes no per-edge products")
 
 
 class Strategy(ABC):

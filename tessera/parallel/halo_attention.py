@@ -26,10 +26,11 @@ from tessera.backends import local_operand
 from tessera.comm.accounting import BACKWARD, FORWARD
 from tessera.comm.exchange import Exchange
 from tessera.errors import ConfigError
-from tessera.graph.csr import CSRMatrix, rows_of
+from tessera.graph.csr import CSRMatrix, CSRStructure, rows_of
 from tessera.graph.partition.halo import RankPlan
+from tessera.relational.operand import RelationalOperand
+from tessera.relational.plan import Relations
 from tessera.sparse import Operand
-from tessera.sparse.relation_plan import Relations
 
 UNTYPED = "this graph has no edge types: relational layers (RGCN) need a typed graph"
 
@@ -56,7 +57,8 @@ class SourceGather:
             raise ValueError(f"attention gathers sources with a post-mode plan, got {plan.mode!r}")
         self.plan, self.n_owned, self.exchange = plan, plan.n_owned, exchange
         self._matrices: dict[bool, CSRMatrix] = {}
-        self._typed, self._typed_matrix = typed, None
+        self._typed = typed
+        self._typed_matrix: CSRMatrix | None = None
         # In post mode every sent row is one owned row: S is a selection matrix.
         self.send_rows = torch.from_numpy(plan.S.indices.astype(np.int64))
         self.recv_ids = torch.from_numpy(plan.recv_src.astype(np.int64))
@@ -133,7 +135,7 @@ def _typed_local(plan: RankPlan, edges: TypedInEdges) -> CSRMatrix:
     return m
 
 
-class AttentionOperand(Operand):
+class AttentionOperand(RelationalOperand):
     """Layer ``layer``'s operand for an attention layer on this rank (see the module docstring)."""
 
     edge_values = True
@@ -162,7 +164,7 @@ class AttentionOperand(Operand):
     def in_degree(self) -> torch.Tensor:
         return self.local.in_degree()
 
-    def edge_structure(self) -> CSRMatrix:
+    def edge_structure(self) -> CSRStructure:
         return self.local.matrix
 
     def gather_sources(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -17,6 +17,8 @@ the one whose forward exchange moves fewer bytes over all ranks (:func:`transfor
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import numpy as np
 import torch
 
@@ -28,9 +30,10 @@ from tessera.errors import ConfigError
 from tessera.graph.csr import CSRMatrix
 from tessera.graph.partition.relation_halo import PairPlan, TypedCSR, distinct_pairs
 from tessera.graph.relations import edge_norm
+from tessera.relational.operand import RelationalOperand
+from tessera.relational.plan import Relations
+from tessera.relational.variants import segment_matmul
 from tessera.sparse import Operand, aggregate
-from tessera.sparse.relation_plan import Relations
-from tessera.sparse.relational import segment_matmul
 
 
 def exchange_bytes(counts, width: int, bits: int) -> int:
@@ -65,11 +68,11 @@ class PairExchange:
         self.remote_edges = _typed_matrix(plan.remote, n, int(plan.recv_counts.sum()), r)
         self._remote_operands: dict[str, Operand] = {}
         # every distinct pair sent, ordered by relation: transformed once however many peers need it
-        first, self.sent_pair = distinct_pairs(plan.send_rel, plan.send_src, np.zeros_like(plan.send_src))
+        first, sent_pair = distinct_pairs(plan.send_rel, plan.send_src, np.zeros_like(plan.send_src))
         rel = plan.send_rel[first]
         self.pair_src = torch.from_numpy(plan.send_src[first])
         self.pair_ptr = torch.from_numpy(np.searchsorted(rel, np.arange(r + 1)).astype(np.int64))
-        self.sent_pair = torch.from_numpy(self.sent_pair)
+        self.sent_pair = torch.from_numpy(sent_pair)
 
     def remote(self, reduce: str) -> Operand:
         """The received pair rows -> owned rows, each edge's entry its factor under ``reduce``."""
@@ -100,7 +103,7 @@ class _Exchanged(torch.autograd.Function):
         return ex.finish(ex.start(grad.contiguous(), ctx.layer, BACKWARD)), None, None
 
 
-class PairOperand(Operand):
+class PairOperand(RelationalOperand):
     """Layer ``layer``'s operand for a relational layer placed transform first on this rank: its
     relations span the in-edges from owned sources; the remote ones arrive as pair rows
     (:meth:`relational_sources`). It offers relational sums only."""
@@ -127,7 +130,7 @@ class PairOperand(Operand):
     def in_degree(self) -> torch.Tensor:
         return self.pairs.local.in_degree() + self.pairs.remote_edges.in_degree()
 
-    def _refuse(self) -> Operand:
+    def _refuse(self) -> NoReturn:
         raise ConfigError(
             "a relational layer placed transform first offers relational sums only; give other layers the halo operand"
         )

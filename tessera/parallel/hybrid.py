@@ -74,7 +74,7 @@ class HybridPlan(TensorPlan):
 
     def __init__(self, ids: np.ndarray, counts: list[int], rank: int, backend: str, log, exchange, stages: int) -> None:
         # no graph: the column group's halo plan holds the G-part's structure
-        super().__init__(None, counts, rank, backend, log, exchange, stages, torch.from_numpy(ids))
+        super().__init__(None, counts, rank, backend, log, exchange, stages, torch.from_numpy(ids))  # type: ignore[arg-type]
         order = np.argsort(ids, kind="stable")  # block position of each row in id order
         inverse = np.empty_like(order)
         inverse[order] = np.arange(order.size)
@@ -95,6 +95,8 @@ class HybridPlan(TensorPlan):
 
 class HybridOperand(TensorOperand):
     """Layer ``layer``'s operand: the row group's all-to-alls around the column group's halo product."""
+
+    plan: HybridPlan
 
     def _aggregate(self, cols: torch.Tensor, direction: int) -> Iterator[torch.Tensor]:
         p = self.plan
@@ -151,4 +153,6 @@ class HybridStrategy(Strategy):
         return Shard.of_graph(graph, torch.from_numpy(rows[self.rows_comm.rank].astype(np.int64)))
 
     def operand(self, spec: LayerSpec, layer: int) -> Operand:
-        return HybridOperand(self.plan, self.rows_comm, layer, self.halo.operand(spec, layer))
+        # the halo operand in the place of the tensor strategy's local one: HybridOperand uses only
+        # what every operand has of it
+        return HybridOperand(self.plan, self.rows_comm, layer, self.halo.operand(spec, layer))  # type: ignore[arg-type]

@@ -235,7 +235,8 @@ class MixedStrategy(Strategy):
             if not torch.equal(s.ids, shards[0].ids):
                 raise RuntimeError("sub-strategies disagree on this rank's rows; every strategy must use row_split")
         logs = [self.pool.get(c).log for c in distinct]
-        self.log = MergedLog([log for log in logs if log is not None])
+        # read by the training loop as a CommLog is, through start_forward and gather only
+        self.log = MergedLog([log for log in logs if log is not None])  # type: ignore[assignment]
         return shards[0]
 
     def operand(self, spec: LayerSpec, layer: int) -> Operand:

@@ -30,6 +30,7 @@ from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix, rows_of
 from tessera.graph.partition.halo import RankPlan, build_rank_plan, plan_from_part, row_edges
 from tessera.graph.partition.relation_halo import PairPlan, build_pair_plan, pair_plan_from_part
+from tessera.graph.relations import edge_types
 from tessera.parallel.base import SPLITS, ExchangeOperand, Shard, Strategy, row_split
 from tessera.parallel.halo_attention import UNTYPED, AttentionOperand, SourceGather, TypedInEdges
 from tessera.parallel.halo_relational import PairExchange, PairOperand, exchange_bytes, transform_first_wins
@@ -203,19 +204,17 @@ class PartitionStrategy(Strategy):
         def typed() -> TypedInEdges | None:
             if graph.edge_type is None:
                 return None
+            t, r = edge_types(graph)
             indptr = graph.indptr.numpy()
             eid = row_edges(indptr, plan.owned)
             return TypedInEdges(
-                np.concatenate([[0], np.cumsum(np.diff(indptr)[plan.owned])]),
-                graph.indices.numpy()[eid],
-                graph.edge_type.numpy()[eid],
-                int(graph.num_relations),
+                np.concatenate([[0], np.cumsum(np.diff(indptr)[plan.owned])]), graph.indices.numpy()[eid], t[eid], r
             )
 
         def pairs() -> PairPlan | None:
             if graph.edge_type is None:
                 return None
-            t, r = graph.edge_type.numpy(), int(graph.num_relations)
+            t, r = edge_types(graph)
             return build_pair_plan(graph.indptr.numpy(), graph.indices.numpy(), t, r, part, comm.rank, comm.world)
 
         self._start(plan, in_weight, plan_for, typed, pairs)

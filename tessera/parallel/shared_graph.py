@@ -52,7 +52,7 @@ def with_shared_transpose(comm: Comm, graph: Graph, what: str = "transposed grap
     a = share_arrays(comm, arrays, what)
     g = graph.replace()
     g.set_transpose(TransposedCSR(a["indptr"], a["indices"], a["perm"]))
-    if "weight" in a:
+    if "weight" in a and g.edge_weight is not None:  # shared only for a weighted graph
         csr.keep_transposed_weight(g, g.edge_weight, a["weight"])
     return g
 

@@ -294,7 +294,8 @@ class TensorAttentionOperand(TensorOperand):
         return self.local.matrix
 
     def gather_edge_terms(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return gather_terms(self.plan.terms(), self.layer, src, dst)
+        src, dst = gather_terms(self.plan.terms(), self.layer, src, dst)
+        return src, dst
 
     def edge_ids(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.plan.ids, self.plan.ids  # every vertex's, which the plan holds (``rows`` among them)

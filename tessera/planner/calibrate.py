@@ -5,8 +5,8 @@ constant is the slowest rank's: the aggregation cost per edge and per edge-value
 transposed products at two widths on this rank's share of the graph's rows, by default the
 narrowest and widest the model aggregates at), the dense transform's FLOP rate, the cost of
 writing one value of a freshly allocated tensor (under glibc's allocator a large block comes
-back from the OS on every allocation, so its first write page-faults: measured 1.3-1.5 ns per
-float32 value against 0.16-0.23 ns in place, at 85k x 40..256, one thread), and the latency and
+back from the OS on every allocation, so its first write page-faults and costs several times an
+in-place write: docs/design/planner-calibration.md), and the latency and
 bandwidth of an ``all_to_all`` among the ranks (SuperGCN Eq. 2's ``L`` and ``BW``).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -25,15 +25,16 @@ from tessera.comm.group import Comm
 from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix
 from tessera.planner.model import DEFAULT_QUANT_GBPS, CommModel
+from tessera.planner.records import Record
 
 _WIDTHS = (8, 64)
-# least of 2 after a warm-up: a third repeat cost 0.4-0.6 s of calibration's 3.7 s on arxiv at P = 4,
-# where planning must stay under 10 % of a 100-epoch run
+# least of 2 after a warm-up: a third repeat costs a noticeable share of calibration, and planning
+# must stay a small share of a run (docs/design/planner-calibration.md)
 _REPS = 2
 
 
 @dataclass(frozen=True)
-class Rates:
+class Rates(Record):
     """Seconds per aggregated edge and per edge-value, dense FLOP/s, the link model, and seconds
     per value written into a fresh tensor."""
 
@@ -51,10 +52,6 @@ class Rates:
     def aggregate_s(self, edges: float, width: int) -> float:
         """Seconds to aggregate ``edges`` edges at ``width``."""
         return edges * (self.edge_s + self.value_s * width)
-
-    def to_dict(self) -> dict[str, float]:
-        """The constants as a plain dict."""
-        return asdict(self)
 
 
 def _best(fn: Callable[[], object], comm: Comm | None = None) -> float:

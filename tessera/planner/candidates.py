@@ -14,8 +14,8 @@ for one training step of the layer, on the slowest rank, is
                 four ``rows x width`` tensors per aggregation pass (the scaled input, the local
                 product, the received rows' product and their sum), the transform's output and,
                 when needed, its input gradient. The term is what tells the placements apart
-                beyond FLOPs: a fresh tensor's first write costs 6-9x an in-place one under
-                glibc's allocator (calibrate.py).
+                beyond FLOPs: a fresh tensor's first write costs several times an in-place one
+                under glibc's allocator (calibrate.py; docs/design/planner-calibration.md).
 
 A kind (:class:`CandidateKind`) lists its choices for a layer and models the last two terms;
 ``register_kind`` adds one. ``hybrid(M)`` (M column groups of G = P / M ranks, M dividing P with
@@ -43,7 +43,8 @@ from tessera.parallel.tensor import column_bounds
 from tessera.planner.calibrate import Rates
 from tessera.planner.grouping import all_to_all_time, all_to_all_times
 from tessera.planner.model import exchange_time
-from tessera.planner.volume import row_width
+from tessera.planner.records import Record
+from tessera.planner.volume.common import row_width
 from tessera.sparse import LayerSpec
 
 
@@ -90,17 +91,71 @@ class Context:
             self._memo["rows"] = pair_rows(g.indptr.numpy(), g.indices.numpy(), self.part, self.world, MODES)
         return self._memo["rows"][mode]
 
+    def use_pair_rows(self, rows: dict[str, np.ndarray]) -> None:
+        """Take ``rows`` (per mode, over this context's row split: the simulator's) as
+        :meth:`pair_rows` instead of counting them again."""
+        self._memo["rows"] = rows
+
+
+@dataclass(frozen=True)
+class KindCost(Record):
+    """The terms of a candidate's modelled step time its kind decides (seconds)."""
+
+    aggregate: float
+    comm: float
+
+
+@dataclass(frozen=True)
+class Costs(Record):
+    """A candidate's modelled step time of one layer, by term: the dense transform, the
+    aggregation, the communication and the writes into fresh tensors (in the unit its holder
+    names)."""
+
+    dense: float
+    aggregate: float
+    comm: float
+    memory: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """The sum of the terms."""
+        return self.dense + self.aggregate + self.comm + self.memory
+
+    def scaled(self, factor: float) -> Costs:
+        """Every term times ``factor`` (a change of unit)."""
+        return Costs(factor * self.dense, factor * self.aggregate, factor * self.comm, factor * self.memory)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Costs:
+        """The inverse of :meth:`to_dict`."""
+        return cls(float(d["dense"]), float(d["aggregate"]), float(d["comm"]), float(d.get("memory", 0.0)))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate of one layer: its choice and ``--strategy`` entry (``label``), its kind, the
+    width it aggregates at, whether it has a backward pass through the aggregation, and its
+    modelled terms and total (seconds)."""
+
+    choice: LayerChoice
+    label: str
+    kind: str
+    width: int
+    backward: bool
+    model_s: Costs
+    modelled_s: float
+
 
 @dataclass(frozen=True)
 class CandidateKind:
     """A family of candidates: ``choices(ctx, spec)`` (empty when it cannot run the layer) and
-    ``cost(ctx, choice, spec, backward)`` -> ``{"aggregate_s": ..., "comm_s": ...}``;
-    ``between`` when its terms lie between other kinds' (hybrid(M): partition at M = 1, tensor
-    at M = P), so that :func:`prune` measures those ends first."""
+    ``cost(ctx, choice, spec, backward)`` (its aggregation and communication terms); ``between``
+    when its terms lie between other kinds' (hybrid(M): partition at M = 1, tensor at M = P), so
+    that :func:`prune` measures those ends first."""
 
     name: str
     choices: Callable[[Context, LayerSpec], list[LayerChoice]]
-    cost: Callable[[Context, LayerChoice, LayerSpec, bool], dict[str, float]]
+    cost: Callable[[Context, LayerChoice, LayerSpec, bool], KindCost]
     between: bool = False
 
 
@@ -129,14 +184,14 @@ def partition_work(ctx: Context, mode: str) -> np.ndarray:
     return {"post": post, "pre": pre, "prepost": (post + pre) / 2}[mode]
 
 
-def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> dict[str, float]:
+def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> KindCost:
     o = choice.options(ctx.options)
     w, passes = spec.aggregate_width, 1 + backward
     rows, m, sent = ctx.pair_rows(o.remote_agg), ctx.rates.comm(), row_width(spec)
-    comm = exchange_time(rows, sent, o.comm_bits, m)["time_s"]
+    comm = exchange_time(rows, sent, o.comm_bits, m).time_s
     if backward:
-        comm += exchange_time(rows.T, sent, o.comm_bits, m)["time_s"]
-    return {"aggregate_s": passes * ctx.rates.aggregate_s(partition_work(ctx, o.remote_agg).max(), w), "comm_s": comm}
+        comm += exchange_time(rows.T, sent, o.comm_bits, m).time_s
+    return KindCost(passes * ctx.rates.aggregate_s(partition_work(ctx, o.remote_agg).max(), w), comm)
 
 
 # ---------------------------------------------------------------------------------------- tensor
@@ -144,15 +199,12 @@ def _tensor_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
     return [] if spec.edge_values else [LayerChoice("tensor", (("comm_bits", b),)) for b in ctx.bits]
 
 
-def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> dict[str, float]:
+def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> KindCost:
     o = choice.options(ctx.options)
     w, passes = spec.aggregate_width, 1 + backward
     widest = -(-w // ctx.world)
     comm = all_to_all_time(ctx.counts, w, o.comm_bits, ctx.rates.comm(), o.pipeline_stages)
-    return {
-        "aggregate_s": passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest),
-        "comm_s": passes * comm,
-    }
+    return KindCost(passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest), passes * comm)
 
 
 # ---------------------------------------------------------------------------------------- hybrid
@@ -168,15 +220,15 @@ def _hybrid_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
     ]
 
 
-def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> dict[str, float]:
+def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> KindCost:
     o = choice.options(ctx.options)
     w, passes, m = spec.aggregate_width, 1 + backward, ctx.rates.comm()
     sub = ctx.grouped(o.groups)
     widest = int(np.diff(column_bounds(w, o.groups)).max())
     rows = sub.pair_rows(o.remote_agg)
-    halo = exchange_time(rows, widest, o.comm_bits, m)["time_s"]
+    halo = exchange_time(rows, widest, o.comm_bits, m).time_s
     if backward:
-        halo += exchange_time(rows.T, widest, o.comm_bits, m)["time_s"]
+        halo += exchange_time(rows.T, widest, o.comm_bits, m).time_s
     key = f"all_to_all-{o.groups}-{w}-{o.comm_bits}-{o.pipeline_stages}"
     if key not in ctx._memo:  # the same for every mode; row groups of the same row counts cost the same
         groups = np.unique(ctx.counts[hybrid_layout(ctx.world, o.groups)], axis=0)
@@ -184,7 +236,7 @@ def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
         ctx._memo[key] = float(np.max(per, axis=0).sum())  # each all-to-all of all row groups at once
     a2a = ctx._memo[key]
     work = partition_work(sub, o.remote_agg).max()
-    return {"aggregate_s": passes * ctx.rates.aggregate_s(work, widest), "comm_s": halo + passes * a2a}
+    return KindCost(passes * ctx.rates.aggregate_s(work, widest), halo + passes * a2a)
 
 
 register_kind(CandidateKind("partition", _partition_choices, _partition_cost))
@@ -209,9 +261,7 @@ def memory_s(ctx: Context, spec: LayerSpec, backward: bool, input_grad: bool) ->
     return ctx.counts.max() * per_row * ctx.rates.fresh_value_s
 
 
-def layer_candidates(
-    ctx: Context, specs: dict[bool, LayerSpec], natural: bool, input_grad: bool
-) -> list[dict[str, Any]]:
+def layer_candidates(ctx: Context, specs: dict[bool, LayerSpec], natural: bool, input_grad: bool) -> list[Candidate]:
     """Every candidate of one layer with its modelled terms (seconds), best first. ``specs`` maps
     each placement the layer can run (``aggregates_first``) to its description; ``natural`` is the
     layer's own, which its choices leave unsaid."""
@@ -222,44 +272,33 @@ def layer_candidates(
             for choice in kind.choices(ctx, spec):
                 if first != natural:
                     choice = LayerChoice(choice.strategy, choice.overrides, first)
-                terms = {
-                    "dense_s": dense_s(ctx, spec, input_grad),
-                    **kind.cost(ctx, choice, spec, backward),
-                    "memory_s": memory_s(ctx, spec, backward, input_grad),
-                }
-                out.append(
-                    {
-                        "choice": choice,
-                        "label": choice.label(ctx.options),
-                        "kind": kind.name,
-                        "width": spec.aggregate_width,
-                        "backward": backward,
-                        "model": terms,
-                        "modelled_s": sum(terms.values()),
-                    }
-                )
-    return sorted(out, key=lambda c: c["modelled_s"])
+                dense = dense_s(ctx, spec, input_grad)
+                own = kind.cost(ctx, choice, spec, backward)
+                terms = Costs(dense, own.aggregate, own.comm, memory_s(ctx, spec, backward, input_grad))
+                label = choice.label(ctx.options)
+                out.append(Candidate(choice, label, kind.name, spec.aggregate_width, backward, terms, terms.total))
+    return sorted(out, key=lambda c: c.modelled_s)
 
 
-def prune(candidates: list[dict[str, Any]], factor: float, limit: int | None = None) -> list[dict[str, Any]]:
+def prune(candidates: list[Candidate], factor: float, limit: int | None = None) -> list[Candidate]:
     """The candidates modelled within ``factor`` of the best; with ``limit``, only the modelled
     best of each family (the same strategy, options and placement but the ``--remote-agg``
     mode, whose exact bytes and work the model ranks better than a few noisy steps can) and at
     most ``limit`` of them: the best, then the families of kinds at the ends (partition, tensor)
     before those ``between`` them (hybrid), each in modelled order (``candidates`` are sorted).
-    On synthetic:products at P = 4 the model put tensor, hybrid:2 and partition within 2 % of
-    each other, and measuring tensor and hybrid:2 alone missed partition, the fastest in whole
-    epochs."""
-    best = min(c["modelled_s"] for c in candidates)
-    kept = [c for c in candidates if c["modelled_s"] <= factor * best]
+    Among near-ties, timing only the best-modelled few can miss an end that is the fastest in whole
+    epochs; hybrid's terms lie between the ends', so the ends go first
+    (docs/design/planner-calibration.md)."""
+    best = min(c.modelled_s for c in candidates)
+    kept = [c for c in candidates if c.modelled_s <= factor * best]
     if limit is None:
         return kept
-    families: dict[tuple, dict[str, Any]] = {}
+    families: dict[tuple, Candidate] = {}
     for c in kept:
-        ch = c["choice"]
+        ch = c.choice
         families.setdefault(
             (ch.strategy, tuple(o for o in ch.overrides if o[0] != "remote_agg"), ch.aggregate_first), c
         )
     first, *rest = families.values()
-    rest.sort(key=lambda c: KINDS[c["kind"]].between)  # stable: modelled order within each group
+    rest.sort(key=lambda c: KINDS[c.kind].between)  # stable: modelled order within each group
     return [first, *rest][:limit]

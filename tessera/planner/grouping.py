@@ -19,16 +19,48 @@ memory fits ``memory_limit``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
 from tessera.planner.model import CommModel, exchange_time, sender_time
-from tessera.planner.volume import tensor_exchanges
+from tessera.planner.records import Record
+from tessera.planner.volume.tensor import tensor_exchanges
 
 LANES = 16  # the Cube unit's 16 x 16 tiles in the paper; 16 fp32 lanes of AVX-512 here
 
 Estimate = float | Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class Algorithm1Row(Record):
+    """One ``M`` of Algorithm 1: the slice width ``S``, its padding, ``G``, ``T_idle``,
+    ``T_saved`` and the cost."""
+
+    M: int
+    S: float
+    pad: float
+    G: float
+    T_idle: float
+    T_saved: float
+    cost: float
+
+
+@dataclass(frozen=True)
+class GroupingRow(Record):
+    """One ``M`` of :func:`rank_grouping`: ``G``, the widest slice ``S``, the modelled terms
+    (seconds), the per-rank feature memory, whether it fits, and the cost."""
+
+    M: int
+    G: int
+    S: int
+    idle_s: float
+    imbalance_s: float
+    halo_s: float
+    all_to_all_s: float
+    memory_bytes: float
+    fits: bool
+    cost_s: float
 
 
 def group_counts(n: int) -> list[int]:
@@ -46,7 +78,7 @@ def padding(s: float, lanes: int = LANES) -> float:
     return (lanes - (s % lanes)) % lanes
 
 
-def algorithm1(n: int, d: int, r: float, t_comp: Estimate, t_mem: Estimate) -> tuple[int, list[dict[str, float]]]:
+def algorithm1(n: int, d: int, r: float, t_comp: Estimate, t_mem: Estimate) -> tuple[int, list[Algorithm1Row]]:
     """Algorithm 1: ``(M*, rows)`` for ``n`` cores, feature width ``d``, fast/slow memory bandwidth
     ratio ``r`` and the estimates ``t_comp``, ``t_mem`` (numbers, or functions of M); ``rows`` hold
     every candidate's S, pad, G, T_idle, T_saved and cost."""
@@ -60,7 +92,7 @@ def algorithm1(n: int, d: int, r: float, t_comp: Estimate, t_mem: Estimate) -> t
         g = n / m
         t_saved = tm * (1 - 1 / (1 + (g - 1) * (r - 1)))
         cost = t_idle - t_saved
-        rows.append({"M": m, "S": s, "pad": pad, "G": g, "T_idle": t_idle, "T_saved": t_saved, "cost": cost})
+        rows.append(Algorithm1Row(m, s, pad, g, t_idle, t_saved, cost))
         if cost < min_cost:
             min_cost, best = cost, m
     return best, rows
@@ -98,7 +130,7 @@ def rank_grouping(
     bits: int = 32,
     memory_limit: float = float("inf"),
     halo_rows: Callable[[np.ndarray, int], np.ndarray] | None = None,
-) -> tuple[int | None, list[dict[str, Any]]]:
+) -> tuple[int | None, list[GroupingRow]]:
     """The M of least modelled time for one aggregation at ``width`` over ``world`` ranks, and
     every M's terms (seconds): ``idle`` (padding of the widest slice), ``imbalance`` (the busiest
     rank's edges over the mean, at the aggregation rate ``agg_flops``), ``halo`` (Eq. 2/6 over
@@ -122,16 +154,13 @@ def rank_grouping(
         compute = 2.0 * edges.mean() * s / agg_flops
         idle = padding(s) / s * compute
         imbalance = 2.0 * (edges.max() - edges.mean()) * s / agg_flops
-        halo = exchange_time(halo_rows(part, g), s, bits, comm)["time_s"] if g > 1 else 0.0
+        halo = exchange_time(halo_rows(part, g), s, bits, comm).time_s if g > 1 else 0.0
         counts = np.bincount(part, minlength=g)  # a G-part's rows, split among its M ranks
         row_counts = [int(counts.max()) * (k + 1) // m - int(counts.max()) * k // m for k in range(m)]
         a2a = all_to_all_time(row_counts, width, bits, comm) if m > 1 else 0.0
         recv = halo_rows(part, g).sum(axis=0).max() if g > 1 else 0
         memory = 4.0 * ((counts.max() + recv) * s + counts.max() / m * width)
-        row = {"M": m, "G": g, "S": s, "idle_s": idle, "imbalance_s": imbalance, "halo_s": halo, "all_to_all_s": a2a}
-        row["memory_bytes"] = memory
-        row["fits"] = bool(memory <= memory_limit)
-        row["cost_s"] = idle + imbalance + halo + a2a + compute
-        rows_out.append(row)
-    fitting = [r for r in rows_out if r["fits"]]
-    return (min(fitting, key=lambda r: r["cost_s"])["M"] if fitting else None), rows_out
+        cost = idle + imbalance + halo + a2a + compute
+        rows_out.append(GroupingRow(m, g, s, idle, imbalance, halo, a2a, memory, bool(memory <= memory_limit), cost))
+    fitting = [r for r in rows_out if r.fits]
+    return (min(fitting, key=lambda r: r.cost_s).M if fitting else None), rows_out

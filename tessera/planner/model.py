@@ -22,21 +22,26 @@ where it introduces it); the label-embedding add is a few rows and is left out.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tessera.comm.wire import block_bytes, data_bytes, group_rows
 from tessera.errors import ConfigError
+from tessera.planner.records import Record, optional
+
+if TYPE_CHECKING:
+    from tessera.planner.volume.partition import PartitionVolumes
+    from tessera.planner.volume.tensor import TensorVolumes
 
 DEFAULT_BANDWIDTH_GBPS = 12.5  # 100 Gb/s InfiniBand / Ethernet class link, per rank
 DEFAULT_LATENCY_US = 5.0  # typical MPI small-message latency on such a network
-DEFAULT_QUANT_GBPS = 25.8  # STREAM triad, 2 cores, this machine (benchmarks/RESULTS.md)
+DEFAULT_QUANT_GBPS = 25.8  # a 2-core STREAM triad (docs/design/planner-calibration.md)
 
 
 @dataclass(frozen=True)
-class CommModel:
+class CommModel(Record):
     """Hardware constants: link bandwidth and per-message latency (``BW_comm``, ``L_comm``) and the
     memory throughput quantization, dequantization and LayerNorm stream at (``TH_cal``)."""
 
@@ -52,9 +57,58 @@ class CommModel:
         if not self.latency_us >= 0:
             raise ConfigError(f"latency must be non-negative, got {self.latency_us} us")
 
-    def to_dict(self) -> dict[str, float]:
-        """The constants as a plain dict."""
-        return asdict(self)
+
+@dataclass(frozen=True)
+class ExchangeTime(Record):
+    """Eq. 6 for one exchange: the slowest rank's time and its parts (seconds), and that rank."""
+
+    time_s: float
+    comm_s: float
+    quant_s: float
+    pre_quant_s: float
+    rank: int
+
+
+@dataclass(frozen=True)
+class LayerTimes(Record):
+    """One layer's exchanges in a training epoch (None: no such exchange)."""
+
+    layer: int
+    forward: ExchangeTime | None
+    backward: ExchangeTime | None
+
+
+@dataclass(frozen=True)
+class EpochTimes(Record):
+    """A training epoch's exchanges summed (seconds)."""
+
+    time_s: float
+    comm_s: float
+    quant_s: float
+    pre_quant_s: float
+
+
+@dataclass(frozen=True)
+class Eq7Ratios(Record):
+    """Eq. 7's ratios for one pair and Eq. 8's speedup (1.0 where the latency ratio is infinite)."""
+
+    alpha: float
+    beta: float
+    gamma: float
+    delta: float
+    speedup: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Projection(Record):
+    """Projected times of one mode at one bit width: per layer, per epoch, Eq. 7/8 at layer 0's
+    busiest sender (below 32 bits) and the epoch's speedup over fp32 post (None when that
+    baseline was not simulated)."""
+
+    layers: tuple[LayerTimes, ...]
+    epoch: EpochTimes
+    eq8_layer0: Eq7Ratios | None = optional()
+    speedup_vs_fp32_post: float | None = None
 
 
 def sender_time(
@@ -76,7 +130,7 @@ def exchange_time(
     m: CommModel,
     owned: np.ndarray | None = None,
     norm_width: int = 0,
-) -> dict[str, Any]:
+) -> ExchangeTime:
     """Eq. 6 for one exchange (sender x receiver ``rows``): the slowest rank's time and its parts;
     ``owned`` and ``norm_width`` add Eq. 3's LayerNorm term."""
     rows = np.asarray(rows)
@@ -88,14 +142,8 @@ def exchange_time(
     total = pre + comm + quant
     i = int(np.argmax(total)) if total.size else 0
     if not total.size:
-        return {"time_s": 0.0, "comm_s": 0.0, "quant_s": 0.0, "pre_quant_s": 0.0, "rank": 0}
-    return {
-        "time_s": float(total[i]),
-        "comm_s": float(comm[i]),
-        "quant_s": float(quant[i]),
-        "pre_quant_s": float(pre[i]),
-        "rank": i,
-    }
+        return ExchangeTime(0.0, 0.0, 0.0, 0.0, 0)
+    return ExchangeTime(float(total[i]), float(comm[i]), float(quant[i]), float(pre[i]), i)
 
 
 def blocks_time(blocks: list[tuple[np.ndarray, np.ndarray]], bits: int, m: CommModel) -> float:
@@ -134,64 +182,64 @@ def eq8_speedup(alpha: float, beta: float, gamma: float, delta: float) -> float:
     return alpha * beta * (gamma + delta) / ((1 + delta) * alpha * beta + 2 * alpha * (1 + gamma) + beta * gamma)
 
 
-def eq7_ratios(pair_rows: float, width: int, bits: int, m: CommModel) -> dict[str, float]:
+def eq7_ratios(pair_rows: float, width: int, bits: int, m: CommModel) -> Eq7Ratios:
     """Eq. 7's alpha (values per parameter), beta (TH / BW), gamma (32 / b) and delta (latency over
     the quantized transfer time) for a pair sending ``pair_rows`` rows, and Eq. 8's speedup."""
     data_time = pair_rows * width * bits / 8 / (m.bandwidth_gbps * 1e9)
     groups = max(np.ceil(pair_rows / group_rows()), 1)
-    r = {
-        "alpha": pair_rows * width / (2 * groups),  # two fp32 parameters (scale, zero) per group of rows
-        "beta": m.quant_gbps / m.bandwidth_gbps,
-        "gamma": 32 / bits,
-        "delta": m.latency_us * 1e-6 / data_time if data_time > 0 else float("inf"),
-    }
-    r["speedup"] = eq8_speedup(**r) if np.isfinite(r["delta"]) else 1.0
-    return r
+    alpha = pair_rows * width / (2 * groups)  # two fp32 parameters (scale, zero) per group of rows
+    beta, gamma = m.quant_gbps / m.bandwidth_gbps, 32 / bits
+    delta = m.latency_us * 1e-6 / data_time if data_time > 0 else float("inf")
+    speedup = eq8_speedup(alpha, beta, gamma, delta) if np.isfinite(delta) else 1.0
+    return Eq7Ratios(alpha, beta, gamma, delta, speedup)
 
 
-def _exchanges(vol: dict[str, Any], mode: str, bits: int, m: CommModel) -> list[dict[str, Any]]:
+def _exchanges(vol: PartitionVolumes, mode: str, bits: int, m: CommModel) -> tuple[LayerTimes, ...]:
     """Eq. 6 per layer: forward and (where there is one) backward."""
-    owned = vol["_owned"]
     out = []
-    for layer, (width, back, rows, _) in enumerate(vol["_exchanges"][mode][bits]):
+    for layer, (width, back, rows, _) in enumerate(vol.exchanges[mode][bits]):
         if not width:  # aggregated once: nothing per steady epoch
-            out.append({"layer": layer, "forward": None, "backward": None})
+            out.append(LayerTimes(layer, None, None))
             continue
-        norm_w = vol["layer_inputs"][layer] if vol["norm"] == "layer" else 0
-        fwd = exchange_time(rows, width, bits, m, owned, norm_w)
+        norm_w = vol.layer_inputs[layer] if vol.norm == "layer" else 0
+        fwd = exchange_time(rows, width, bits, m, vol.owned, norm_w)
         bwd = exchange_time(rows.T, width, bits, m) if back else None
-        out.append({"layer": layer, "forward": fwd, "backward": bwd})
-    return out
+        out.append(LayerTimes(layer, fwd, bwd))
+    return tuple(out)
 
 
-def project(vol: dict[str, Any], m: CommModel) -> dict[str, Any]:
+def project(vol: PartitionVolumes, m: CommModel) -> dict[str, dict[int, Projection]]:
     """Projected times per mode and bit width of :func:`simulate_volumes`' result: per exchange,
     per epoch (sum over exchanges), Eq. 7/8 at layer 0's busiest sender, and speedup over fp32
     post (None when that baseline was not simulated)."""
-    out: dict[str, Any] = {}
-    for mode, per_mode in vol["modes"].items():
+    out: dict[str, dict[int, Projection]] = {}
+    for mode, per_mode in vol.modes.items():
         out[mode] = {}
-        for bits in per_mode["bits"]:
+        for bits in per_mode.bits:
             layers = _exchanges(vol, mode, bits, m)
-            ex = [d for la in layers for d in (la["forward"], la["backward"]) if d is not None]
-            epoch = {k: sum(d[k] for d in ex) for k in ("time_s", "comm_s", "quant_s", "pre_quant_s")}
-            rows = vol["_rows"][mode]
+            ex = [d for la in layers for d in (la.forward, la.backward) if d is not None]
+            epoch = EpochTimes(
+                time_s=sum(d.time_s for d in ex),
+                comm_s=sum(d.comm_s for d in ex),
+                quant_s=sum(d.quant_s for d in ex),
+                pre_quant_s=sum(d.pre_quant_s for d in ex),
+            )
+            rows = vol.rows[mode]
             busiest = int(np.argmax(rows.sum(axis=1))) if rows.size else 0
             active = max(int(np.count_nonzero(rows[busiest])), 1)
-            entry = {"layers": layers, "epoch": epoch}
-            if bits < 32:
-                entry["eq8_layer0"] = eq7_ratios(rows[busiest].sum() / active, vol["widths"][0] or 1, bits, m)
-            out[mode][bits] = entry
+            eq8 = eq7_ratios(rows[busiest].sum() / active, vol.widths[0] or 1, bits, m) if bits < 32 else None
+            out[mode][bits] = Projection(layers=layers, epoch=epoch, eq8_layer0=eq8)
     base = out.get("post", {}).get(32)
-    for per_mode in out.values():
-        for entry in per_mode.values():
-            t = entry["epoch"]["time_s"]
-            entry["speedup_vs_fp32_post"] = base["epoch"]["time_s"] / t if base and t > 0 else None
+    for projected in out.values():
+        for bits, entry in projected.items():
+            t = entry.epoch.time_s
+            speedup = base.epoch.time_s / t if base and t > 0 else None
+            projected[bits] = replace(entry, speedup_vs_fp32_post=speedup)
     return out
 
 
-def project_tensor(tv: dict[str, Any], m: CommModel) -> dict[int, float]:
-    """Projected all-to-all seconds per training epoch of :func:`~tessera.planner.volume.tensor_volumes`'
+def project_tensor(tv: TensorVolumes, m: CommModel) -> dict[int, float]:
+    """Projected all-to-all seconds per training epoch of :func:`~tessera.planner.volume.tensor.tensor_volumes`'
     result, per bit width: every aggregation's all-to-alls (forward, and backward where the layer
     has one) and attention layers' term all-gather and reduce-scatter (float32), through
     :func:`blocks_time`."""
@@ -199,14 +247,14 @@ def project_tensor(tv: dict[str, Any], m: CommModel) -> dict[int, float]:
     from tessera.parallel.tensor_attention import term_blocks
 
     out = {}
-    for bits in tv["bits"]:
+    for bits in tv.bits:
         t = 0.0
-        for width, back, terms in zip(tv["widths"], tv["backward"], tv["terms"], strict=True):
+        for width, back, terms in zip(tv.widths, tv.backward, tv.terms, strict=True):
             if not width:
                 continue
-            one = blocks_time(exchange_blocks(tv["_counts"], width, tv["stages"]), bits, m)
+            one = blocks_time(exchange_blocks(tv.counts, width, tv.stages), bits, m)
             t += one * (2 if back else 1)
             if terms:
-                t += blocks_time(term_blocks(tv["_counts"], terms)[: 2 if back else 1], 32, m)
+                t += blocks_time(term_blocks(tv.counts, terms)[: 2 if back else 1], 32, m)
         out[int(bits)] = t
     return out

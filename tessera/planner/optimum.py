@@ -4,7 +4,7 @@
 rows and per-group shortcuts. Here it is derived apart, from the blocks the simulator counts
 bytes from (and so the bytes the runtime logs), over all P ranks of ``simulate_volumes``' row
 split: partition, its mode's pair rows (transposed backward); tensor, ``exchange_blocks`` of the
-ranks' row counts, per pass (as ``project_tensor``); hybrid, :func:`~tessera.planner.volume.hybrid_blocks`
+ranks' row counts, per pass (as ``project_tensor``); hybrid, :func:`~tessera.planner.volume.hybrid.hybrid_blocks`
 of the row counts and the G-parts' halo rows (transposed backward). Each is at the width and
 with the backward exchange the simulator gives the layer (``exchange_layers``: a layer 0 that
 aggregates constant raw features at ``--dropout 0`` exchanges nothing), timed by SuperGCN's model
@@ -18,6 +18,7 @@ which the model-only plan must choose (``tessera simulate --plan`` prints whethe
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,45 @@ from tessera.parallel.mixed import LayerChoice
 from tessera.parallel.tensor import column_bounds, exchange_blocks
 from tessera.planner.candidates import Context
 from tessera.planner.model import CommModel, blocks_sender_s
-from tessera.planner.plan import LayerProbe, model_layers
-from tessera.planner.volume import exchange_layers, group_halo_rows
+from tessera.planner.plan import LayerProbe, Plan, model_layers
+from tessera.planner.records import Record
+from tessera.planner.volume.common import exchange_layers
+from tessera.planner.volume.hybrid import group_halo_rows
+from tessera.planner.volume.partition import PartitionVolumes
 
 TOLERANCE = 1e-9  # relative: the same sums in another order
+
+
+@dataclass(frozen=True)
+class SimulatedCandidate(Record):
+    """A candidate's modelled communication, its communication from the simulator's blocks, and
+    its total with the latter (milliseconds)."""
+
+    label: str
+    kind: str
+    comm_ms: float
+    simulated_comm_ms: float
+    simulated_ms: float
+
+
+@dataclass(frozen=True)
+class OptimumLayer(Record):
+    """One layer's candidates with simulated communication, and the label and total of the least."""
+
+    layer: int
+    optimum: str
+    optimum_ms: float
+    candidates: tuple[SimulatedCandidate, ...]
+
+
+@dataclass(frozen=True)
+class ChoiceCheck(Record):
+    """Whether each layer's choice is its modelled optimum, the optima, and the largest relative
+    difference between a candidate's modelled and simulated communication."""
+
+    matches: tuple[bool, ...]
+    optimum: tuple[str, ...]
+    comm_rel_diff: float
 
 
 def _slowest(rows: np.ndarray, widths, bits: int, m: CommModel) -> float:
@@ -41,13 +77,13 @@ def _slowest(rows: np.ndarray, widths, bits: int, m: CommModel) -> float:
 
 
 def _partition_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> float:
-    rows = sim.vol["_rows"][o.remote_agg]
+    rows = sim.vol.rows[o.remote_agg]
     m = sim.link
     return _slowest(rows, width, o.comm_bits, m) + (_slowest(rows.T, width, o.comm_bits, m) if back else 0.0)
 
 
 def _tensor_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> float:
-    blocks = exchange_blocks(sim.vol["_owned"], width, o.pipeline_stages)
+    blocks = exchange_blocks(sim.vol.owned, width, o.pipeline_stages)
     return (1 + back) * sum(_slowest(r, w, o.comm_bits, sim.link) for r, w in blocks)
 
 
@@ -65,7 +101,7 @@ def _hybrid_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> fl
 def _row_groups_s(sim: _Simulated, o: StrategyOptions, width: int) -> float:
     """Every row group's all-to-alls at once, one after another: each the slowest sender of all
     groups (groups of the same row counts send the same)."""
-    groups = np.unique(sim.vol["_owned"][hybrid_layout(sim.world, o.groups)], axis=0)
+    groups = np.unique(sim.vol.owned[hybrid_layout(sim.world, o.groups)], axis=0)
     per = [
         [_slowest(r, w, o.comm_bits, sim.link) for r, w in exchange_blocks(c, width, o.pipeline_stages)] for c in groups
     ]
@@ -84,14 +120,14 @@ class _Simulated:
     """The simulator's row split, pair rows and row counts for one world size, and the G-parts'
     halo rows of each hybrid M (computed on first use)."""
 
-    def __init__(self, ctx: Context, vol: dict[str, Any]) -> None:
-        self.ctx, self.vol, self.world, self.link = ctx, vol, int(vol["parts"]), ctx.rates.comm()
+    def __init__(self, ctx: Context, vol: PartitionVolumes) -> None:
+        self.ctx, self.vol, self.world, self.link = ctx, vol, int(vol.parts), ctx.rates.comm()
         self._memo: dict[tuple, Any] = {}
 
     def halo_rows(self, groups: int, mode: str) -> np.ndarray:
         """Rows G-part ``g`` sends G-part ``h`` per halo exchange of hybrid(``groups``) in ``mode``."""
         every_mode = self.memo(
-            ("halo", groups), lambda: group_halo_rows(self.ctx.graph, self.vol["_part"], self.world, groups)
+            ("halo", groups), lambda: group_halo_rows(self.ctx.graph, self.vol.part, self.world, groups)
         )
         return every_mode[mode]
 
@@ -112,13 +148,13 @@ def simulated_comm_s(sim: _Simulated, choice: LayerChoice, width: int, back: boo
     return SIMULATED[choice.strategy](sim, choice.options(sim.ctx.options), width, back)
 
 
-def optimum_layers(ctx: Context, probe: LayerProbe, vol: dict[str, Any]) -> list[dict[str, Any]]:
+def optimum_layers(ctx: Context, probe: LayerProbe, vol: PartitionVolumes) -> list[OptimumLayer]:
     """Per layer, every candidate the planner models (:func:`~tessera.planner.plan.model_layers`)
     with its modelled and its simulated communication and total (milliseconds), and the label of
     the least simulated total (``optimum``). ``vol`` is ``simulate_volumes``' result for
     ``ctx``'s graph, world size and row split, every ``--remote-agg`` mode simulated; its norm,
     label propagation and dropout give each layer's exchange width and backward exchange."""
-    if vol["parts"] != ctx.world or not np.array_equal(vol["_part"], ctx.part):
+    if vol.parts != ctx.world or not np.array_equal(vol.part, ctx.part):
         raise ConfigError("the simulated volumes are of another row split than the planner's")
     sim = _Simulated(ctx, vol)
     natural = [probe.spec(i, places[0]) for i, places in enumerate(probe.placements)]
@@ -128,35 +164,35 @@ def optimum_layers(ctx: Context, probe: LayerProbe, vol: dict[str, Any]) -> list
         exchange = {}
         for p in places:
             specs = [*natural[:i], probe.spec(i, p), *natural[i + 1 :]]
-            exchange[p] = exchange_layers(specs, vol["norm"], vol["label_prop"], vol["dropout"])[i]
+            exchange[p] = exchange_layers(specs, vol.norm, vol.label_prop, vol.dropout)[i]
         rows = []
         for c in cands:
-            choice = c["choice"]
+            choice = c.choice
             width, back = exchange[places[0] if choice.aggregate_first is None else choice.aggregate_first]
             comm = float(simulated_comm_s(sim, choice, width, back))
             rows.append(
-                {
-                    "label": c["label"],
-                    "kind": c["kind"],
-                    "comm_ms": 1e3 * c["model"]["comm_s"],
-                    "simulated_comm_ms": 1e3 * comm,
-                    "simulated_ms": 1e3 * (c["modelled_s"] - c["model"]["comm_s"] + comm),
-                }
+                SimulatedCandidate(
+                    label=c.label,
+                    kind=c.kind,
+                    comm_ms=1e3 * c.model_s.comm,
+                    simulated_comm_ms=1e3 * comm,
+                    simulated_ms=1e3 * (c.modelled_s - c.model_s.comm + comm),
+                )
             )
-        best = min(rows, key=lambda r: r["simulated_ms"])
-        out.append({"layer": i, "optimum": best["label"], "optimum_ms": best["simulated_ms"], "candidates": rows})
+        best = min(rows, key=lambda r: r.simulated_ms)
+        out.append(OptimumLayer(i, best.label, best.simulated_ms, tuple(rows)))
     return out
 
 
-def check_choices(plan: dict[str, Any], optimum: list[dict[str, Any]]) -> dict[str, Any]:
+def check_choices(plan: Plan, optimum: list[OptimumLayer]) -> ChoiceCheck:
     """Whether each of ``plan``'s layer choices is its layer's modelled optimum (of least simulated
     total, ties within :data:`TOLERANCE` counting as equal), and the largest relative difference
     between a candidate's modelled and simulated communication."""
     matches, worst = [], 0.0
-    for choice, layer in zip(plan["choices"], optimum, strict=True):
-        by_label = {c["label"]: c for c in layer["candidates"]}
-        matches.append(bool(by_label[choice]["simulated_ms"] <= layer["optimum_ms"] * (1 + TOLERANCE)))
-        for c in layer["candidates"]:
-            scale = max(abs(c["simulated_comm_ms"]), abs(c["comm_ms"]), 1e-300)
-            worst = max(worst, abs(c["comm_ms"] - c["simulated_comm_ms"]) / scale)
-    return {"matches": matches, "optimum": [la["optimum"] for la in optimum], "comm_rel_diff": float(worst)}
+    for choice, layer in zip(plan.choices, optimum, strict=True):
+        by_label = {c.label: c for c in layer.candidates}
+        matches.append(bool(by_label[choice].simulated_ms <= layer.optimum_ms * (1 + TOLERANCE)))
+        for c in layer.candidates:
+            scale = max(abs(c.simulated_comm_ms), abs(c.comm_ms), 1e-300)
+            worst = max(worst, abs(c.comm_ms - c.simulated_comm_ms) / scale)
+    return ChoiceCheck(tuple(matches), tuple(la.optimum for la in optimum), float(worst))

@@ -22,7 +22,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +35,15 @@ from tessera.graph import Graph
 from tessera.parallel.base import StrategyOptions, row_split
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_entry
 from tessera.planner.calibrate import Rates, calibrate
-from tessera.planner.candidates import Context, layer_candidates, prune
+from tessera.planner.candidates import Candidate, Context, Costs, layer_candidates, prune
+from tessera.planner.records import Record, optional
 from tessera.sparse import LayerSpec, Operand
 
 PLAN_VERSION = 4
 PRUNE_FACTOR = 1.5
 # Timed steps per measured candidate (the least counts), after an untimed one. The step after the
-# untimed one still pays for memory touched for the first time (arxiv GCN layer 0 at P = 2,
-# partition: 1389, 518, 212, 213 ms; tensor: 1148, 394, 326, 326 ms): timed alone, it would rank
-# tensor ahead of partition on that layer.
+# untimed one still pays for memory touched for the first time, unequally across candidates: timed
+# alone, it can misrank them (docs/design/planner-calibration.md).
 STEPS = 2
 MAX_MEASURED = 2  # candidates measured per layer (every one with --measure-all)
 
@@ -59,6 +59,110 @@ class LayerProbe:
     forward: Callable[[int, bool | None, Operand, torch.Tensor], torch.Tensor]
     input_grad: bool  # whether layer 0's input needs a gradient (LayerNorm or label embedding before it)
     description: dict[str, Any]  # model name and widths, part of the cache key
+
+
+@dataclass(frozen=True, kw_only=True)
+class CandidateRow(Record):
+    """A candidate as a plan records it: its ``--strategy`` entry, kind, aggregated width and
+    backward pass, its modelled terms and total and its measured step (milliseconds; None:
+    not measured), and whether it survived pruning."""
+
+    label: str
+    kind: str
+    width: int
+    backward: bool
+    model_ms: Costs
+    modelled_ms: float
+    measured_ms: float | None = None
+    survived: bool = False
+
+    @classmethod
+    def of(cls, c: Candidate, survived: bool) -> CandidateRow:
+        """The modelled ``c`` in milliseconds, not measured."""
+        return cls(
+            label=c.label,
+            kind=c.kind,
+            width=c.width,
+            backward=c.backward,
+            model_ms=c.model_s.scaled(1e3),
+            modelled_ms=1e3 * c.modelled_s,
+            survived=survived,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CandidateRow:
+        """The inverse of :meth:`to_dict`."""
+        return cls(
+            label=d["label"],
+            kind=d["kind"],
+            width=d["width"],
+            backward=d["backward"],
+            model_ms=Costs.from_dict(d["model_ms"]),
+            modelled_ms=d["modelled_ms"],
+            measured_ms=d["measured_ms"],
+            survived=d["survived"],
+        )
+
+
+@dataclass(frozen=True)
+class LayerPlan(Record):
+    """One layer's choice (a ``--strategy`` entry) and every candidate, modelled best first."""
+
+    layer: int
+    choice: str
+    candidates: tuple[CandidateRow, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LayerPlan:
+        """The inverse of :meth:`to_dict`."""
+        return cls(d["layer"], d["choice"], tuple(CandidateRow.from_dict(c) for c in d["candidates"]))
+
+
+@dataclass(frozen=True)
+class PlanTiming(Record):
+    """Seconds of measured planning: calibration, modelling, sharding candidates, timed steps."""
+
+    calibrate: float
+    model: float
+    shard: float
+    steps: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan(Record):
+    """A plan: one ``--strategy`` entry per layer (``choices``) for ``world`` ranks. A measured or
+    cached plan also holds its cache key, each layer's candidates, the constants, the pruning
+    factor, whether it measured and its planning time's parts; a plan from the model alone its
+    layers and constants; ``source`` says where it comes from (measured, model, cache,
+    checkpoint) and ``planning_s`` how long it took. Its JSON is the plan cache's record."""
+
+    key: dict[str, Any] | None = optional()
+    choices: tuple[str, ...]
+    layers: tuple[LayerPlan, ...] | None = optional()
+    rates: Rates | None = optional()
+    world: int
+    factor: float | None = optional()
+    measured: bool | None = optional()
+    timing_s: PlanTiming | None = optional()
+    source: str | None = optional()
+    planning_s: float | None = optional()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The inverse of :meth:`to_dict`."""
+        layers, rates, timing = d.get("layers"), d.get("rates"), d.get("timing_s")
+        return cls(
+            key=d.get("key"),
+            choices=tuple(d["choices"]),
+            layers=None if layers is None else tuple(LayerPlan.from_dict(la) for la in layers),
+            rates=None if rates is None else Rates(**rates),
+            world=d["world"],
+            factor=d.get("factor"),
+            measured=d.get("measured"),
+            timing_s=None if timing is None else PlanTiming(**timing),
+            source=d.get("source"),
+            planning_s=d.get("planning_s"),
+        )
 
 
 def aggregate_widths(probe: LayerProbe) -> tuple[int, int]:
@@ -102,24 +206,31 @@ def cache_path(key: dict) -> Path:
 
 
 def _read_cached(key: dict) -> dict | None:
+    """The cached plan record of ``key`` as JSON (None: none, or not a plan of ``key``)."""
     try:
         rec = json.loads(cache_path(key).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(rec, dict) or rec.get("key") != key or not isinstance(rec.get("layers"), list):
         return None
+    try:
+        Plan.from_dict(rec)
+    except (KeyError, TypeError, ValueError):
+        return None
     return rec
 
 
-def _write_cached(rec: dict) -> None:
-    path = cache_path(rec["key"])
+def _write_cached(rec: Plan) -> None:
+    assert rec.key is not None
+    path = cache_path(rec.key)
+    text = json.dumps(rec.to_dict(), indent=1) + "\n"
     try:
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(rec, indent=1) + "\n"))
+        atomic_write(path, lambda tmp: tmp.write_text(text))
     except OSError as e:  # a read-only cache must not stop training
         warnings.warn(f"could not cache the plan at {path}: {e}", RuntimeWarning, stacklevel=3)
 
 
-def model_layers(ctx: Context, probe: LayerProbe) -> list[list[dict[str, Any]]]:
+def model_layers(ctx: Context, probe: LayerProbe) -> list[list[Candidate]]:
     """Every layer's candidates with their modelled terms, best first."""
     out = []
     for i, places in enumerate(probe.placements):
@@ -130,47 +241,31 @@ def model_layers(ctx: Context, probe: LayerProbe) -> list[list[dict[str, Any]]]:
 
 def modelled_layers(
     ctx: Context, probe: LayerProbe, factor: float = PRUNE_FACTOR, measure: bool = True
-) -> tuple[list[dict[str, Any]], list[list[str]]]:
-    """Per layer, every candidate as JSON (modelled terms, whether it survived pruning) and the
-    labels of the survivors (within ``factor`` of the best; only the best when not measuring);
-    each layer's ``choice`` is its modelled best until measured."""
+) -> tuple[list[LayerPlan], list[list[str]]]:
+    """Per layer, every candidate (modelled terms, whether it survived pruning) and the labels of
+    the survivors (within ``factor`` of the best; only the best when not measuring); each layer's
+    ``choice`` is its modelled best until measured."""
     layers, survivors = [], []
     for i, cands in enumerate(model_layers(ctx, probe)):
         limit = None if factor == float("inf") else MAX_MEASURED
-        keep = {c["label"] for c in (prune(cands, factor, limit) if measure else cands[:1])}
-        rows = [_public(c) for c in cands]
-        for r in rows:
-            r["survived"] = r["label"] in keep
-        layers.append({"layer": i, "choice": rows[0]["label"], "candidates": rows})
-        survivors.append([r["label"] for r in rows if r["survived"]])
+        keep = {c.label for c in (prune(cands, factor, limit) if measure else cands[:1])}
+        rows = tuple(CandidateRow.of(c, c.label in keep) for c in cands)
+        layers.append(LayerPlan(i, rows[0].label, rows))
+        survivors.append([r.label for r in rows if r.survived])
     return layers, survivors
 
 
-def model_plan(ctx: Context, probe: LayerProbe) -> dict[str, Any]:
+def model_plan(ctx: Context, probe: LayerProbe) -> Plan:
     """The plan from the model alone, without processes (``tessera plan --model-only``, the
     simulator): each layer's modelled best."""
     layers, _ = modelled_layers(ctx, probe, measure=False)
-    return {
-        "choices": [la["choice"] for la in layers],
-        "layers": layers,
-        "rates": ctx.rates.to_dict(),
-        "world": ctx.world,
-        "source": "model",
-    }
-
-
-def _public(c: dict[str, Any]) -> dict[str, Any]:
-    """A candidate as JSON: its label, kind, width and times in milliseconds."""
-    return {
-        "label": c["label"],
-        "kind": c["kind"],
-        "width": c["width"],
-        "backward": c["backward"],
-        "model_ms": {k.removesuffix("_s"): 1e3 * v for k, v in c["model"].items()},
-        "modelled_ms": 1e3 * c["modelled_s"],
-        "measured_ms": None,
-        "survived": False,
-    }
+    return Plan(
+        choices=tuple(la.choice for la in layers),
+        layers=tuple(layers),
+        rates=ctx.rates,
+        world=ctx.world,
+        source="model",
+    )
 
 
 def measure_candidate(
@@ -210,7 +305,7 @@ def plan_layers(
     measure: bool = True,
     use_cache: bool = True,
     rates: Rates | None = None,
-) -> tuple[dict[str, Any], StrategyPool]:
+) -> tuple[Plan, StrategyPool]:
     """The plan of every layer (a collective: every rank calls it): ``(record, pool)`` where the
     record holds ``choices`` (one ``--strategy`` entry per layer), each layer's candidates with
     modelled and measured milliseconds, the constants and the planning time, and ``pool`` the
@@ -225,55 +320,55 @@ def plan_layers(
     pool = StrategyPool(comm, options)
     cached = broadcast_json(comm, _read_cached(key) if use_cache and comm.rank == 0 else None)
     if cached is not None:
-        cached["source"] = "cache"
-        cached["planning_s"] = time.perf_counter() - t0
-        return cached, pool
+        return replace(Plan.from_dict(cached), source="cache", planning_s=time.perf_counter() - t0), pool
     if rates is None:
         rates = calibrate(graph, comm, options.backend, aggregate_widths(probe))
     t_cal = time.perf_counter()
     part = row_split(graph, comm, options)
-    layers: list[dict[str, Any]] = []
+    modelled: list[LayerPlan] = []
     survivors: list[list[str]] = []
     if comm.rank == 0:
-        layers, survivors = modelled_layers(
+        modelled, survivors = modelled_layers(
             Context(graph, comm.world, part, options, rates, bits), probe, factor, measure
         )
-    layers, survivors = broadcast_json(comm, [layers, survivors])
-    timing = {"calibrate": t_cal - t0, "model": time.perf_counter() - t_cal, "shard": 0.0, "steps": 0.0}
+    sent, survivors = broadcast_json(comm, [[la.to_dict() for la in modelled], survivors])
+    layers = [LayerPlan.from_dict(la) for la in sent]
+    t_model = time.perf_counter() - t_cal
+    shard_s = steps_s = 0.0
     for i, labels in enumerate(survivors):
+        candidates = list(layers[i].candidates)
         if measure and len(labels) > 1:
-            for c in layers[i]["candidates"]:
-                if c["label"] in labels:
-                    choice = parse_entry(c["label"])
+            for j, c in enumerate(candidates):
+                if c.label in labels:
+                    choice = parse_entry(c.label)
                     t1 = time.perf_counter()
                     pool.shard(choice, graph)
                     t2 = time.perf_counter()
                     with select.modelled_only():
-                        c["measured_ms"] = 1e3 * measure_candidate(comm, pool, graph, probe, i, choice)
-                    timing["shard"] += t2 - t1
-                    timing["steps"] += time.perf_counter() - t2
-        timed = [c for c in layers[i]["candidates"] if c["measured_ms"] is not None]
-        best = min(timed, key=lambda c: c["measured_ms"]) if timed else layers[i]["candidates"][0]
-        layers[i]["choice"] = best["label"]
-    rec = {
-        "key": key,
-        "choices": [la["choice"] for la in layers],
-        "layers": layers,
-        "rates": rates.to_dict(),
-        "world": comm.world,
-        "factor": factor,
-        "measured": measure,
-        "timing_s": timing,
-    }
-    rec = broadcast_json(comm, rec)  # rank 0's decision, on every rank
+                        ms = 1e3 * measure_candidate(comm, pool, graph, probe, i, choice)
+                    candidates[j] = replace(c, measured_ms=ms)
+                    shard_s += t2 - t1
+                    steps_s += time.perf_counter() - t2
+        timed = [c for c in candidates if c.measured_ms is not None]
+        best = min(timed, key=lambda c: c.measured_ms or 0.0) if timed else candidates[0]
+        layers[i] = LayerPlan(layers[i].layer, best.label, tuple(candidates))
+    rec = Plan(
+        key=key,
+        choices=tuple(la.choice for la in layers),
+        layers=tuple(layers),
+        rates=rates,
+        world=comm.world,
+        factor=factor,
+        measured=measure,
+        timing_s=PlanTiming(t_cal - t0, t_model, shard_s, steps_s),
+    )
+    rec = Plan.from_dict(broadcast_json(comm, rec.to_dict()))  # rank 0's decision, on every rank
     if comm.rank == 0 and use_cache:
         _write_cached(rec)
-    pool.keep([parse_entry(c) for c in rec["choices"]])
-    rec["source"] = "measured" if measure else "model"
-    rec["planning_s"] = time.perf_counter() - t0
-    return rec, pool
+    pool.keep(plan_choices(rec))
+    return replace(rec, source="measured" if measure else "model", planning_s=time.perf_counter() - t0), pool
 
 
-def plan_choices(rec: dict[str, Any]) -> list[LayerChoice]:
+def plan_choices(rec: Plan) -> list[LayerChoice]:
     """The plan's layer choices."""
-    return [parse_entry(c) for c in rec["choices"]]
+    return [parse_entry(c) for c in rec.choices]

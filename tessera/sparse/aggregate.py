@@ -61,10 +61,11 @@ class AggregateFn(torch.autograd.Function):
         else:
             out = a.masked_spmm(x, out_mask, weight, row_scale, False)
         own = a.row_vertices
-        if self_weight and own is None:
-            out.add_(x, alpha=self_weight)
-        elif self_weight:
-            add_rows_(out, x, own, self_weight)
+        if self_weight:
+            if own is None:
+                out.add_(x, alpha=self_weight)
+            else:
+                add_rows_(out, x, own, self_weight)
         ctx.a, ctx.row_scale, ctx.out_mask, ctx.grad_mask = a, row_scale, out_mask, grad_mask
         ctx.self_weight = self_weight
         ctx.save_for_backward(x if weight is not None and weight.requires_grad else None, weight)

@@ -17,9 +17,9 @@ from torch.autograd.function import once_differentiable
 
 from tessera.bfloat16 import compute_dtype
 from tessera.graph.csr import CSRStructure
+from tessera.kernels.dropout import DROP_IN_PLACE, draw_seed, dropout, keep_threshold, run_hashed, seeded_dropout
 from tessera.sparse.aggregate import aggregate
 from tessera.sparse.attention_kernels import check_terms, gat_attention, gat_attention_backward, gat_attention_forward
-from tessera.sparse.dropout import DROP_IN_PLACE, draw_seed, dropout, keep_threshold, run_hashed, seeded_dropout
 from tessera.sparse.operand import Operand
 
 

@@ -14,6 +14,7 @@ thread count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
@@ -23,14 +24,14 @@ from torch.autograd.function import once_differentiable
 
 from tessera import workspace
 from tessera.graph.csr import CSRStructure, rows_of
+from tessera.kernels.vector_math import exp
 from tessera.memo import PlanCache
 from tessera.sparse.attention import edge_score, edge_softmax
-from tessera.sparse.vector_math import exp
 from tessera.threads import sync_numba_threads
 
 _CHUNK = 4096
 _BLOCKS_PER_THREAD = 8
-_JIT = {"fastmath": True, "cache": True, "nogil": True}
+_JIT: dict[str, Any] = {"fastmath": True, "cache": True, "nogil": True}
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def _plan(graph: CSRStructure, transposed: bool) -> _Plan:
 # ---------------------------------------------------------------------------------- row passes
 # Helpers take (2-D array, row) pairs rather than row views: LLVM vectorises explicit 2-D
 # indexing and keeps the accumulators in registers, about 2x faster when measured.
-_INLINE = {"fastmath": True, "cache": True, "inline": "always"}
+_INLINE: dict[str, Any] = {"fastmath": True, "cache": True, "inline": "always"}
 
 
 @numba.njit(**_INLINE)
@@ -309,7 +310,7 @@ def gat_attention_backward(
     gdst = torch.empty(a_dst.shape, dtype=dtype)
     gsrc = torch.empty(a_src.shape, dtype=dtype) if need_src else None
     if not graph.num_edges:
-        return (gsrc.zero_() if need_src else None), gdst.zero_()
+        return (gsrc.zero_() if gsrc is not None else None), gdst.zero_()
     dpre = grad_alpha if overwrite_grad else workspace.empty_like(alpha)
     _backward_dst_kernel(
         graph.indptr.numpy(),
@@ -323,7 +324,7 @@ def gat_attention_backward(
         dpre.numpy(),
         gdst.numpy(),
     )
-    if need_src:
+    if gsrc is not None:
         t = graph.transpose(with_perm=True)
         _backward_src_kernel(
             t.indptr.numpy(), t.perm.numpy(), dpre.numpy(), *_plan_args(_plan(graph, True)), gsrc.numpy()

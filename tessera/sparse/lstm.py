@@ -24,17 +24,15 @@ Three ways compute the same value:
   backward runs the steps in reverse, then takes ``W_hh``'s gradient as one GEMM over all
   (row, step) pairs and the projections' gradient as one ``index_add`` over the edges. The
   nonlinearities stay torch's vectorised ops; the rest of each step's cell update and its gate
-  gradients are single-pass numba kernels (:mod:`tessera.sparse.lstm_kernels`), which measured
-  about 15% less CPU time per aggregation than the same arithmetic as ~20 torch ops a step.
+  gradients are single-pass numba kernels (:mod:`tessera.sparse.lstm_kernels`), which take less
+  CPU time per aggregation than the same arithmetic as ~20 torch ops a step.
 
-``auto`` is ``hoisted``: ``packed``'s CPU backward is oneDNN's RNN backward, 66.6 s for one
-64 -> 64 aggregation on synthetic:small (10k vertices, 100k edges, in-degree max 405) against
-10.8 s for ``hoisted`` written as per-step autograd ops, same run. The steps run on one torch thread whatever the caller's count: they are
-small (71% of synthetic:small's 405 steps advance <= 64 rows) and, on the shared 2-core machine
-of ``benchmarks/results/bench_sage_lstm_speed.md``, two threads made them 5-20x slower (an OpenMP
-barrier per op waits for a descheduled thread). Denormals are flushed while the recurrence runs:
-gradients decaying along long sequences reach the denormal range, where they made the per-step
-GEMMs about 4x slower (0.15 s -> 0.035 s per backward on synthetic:small, 64 wide).
+``auto`` is ``hoisted``: ``packed``'s CPU backward is oneDNN's RNN backward, several times slower
+than ``hoisted`` even written as per-step autograd ops. The steps run on one torch thread whatever
+the caller's count: most of them advance few rows, and with more threads each small op waits at an
+OpenMP barrier (for a descheduled thread, on a loaded machine). Denormals are flushed while the
+recurrence runs: gradients decaying along long sequences reach the denormal range, where they make
+the per-step GEMMs several times slower. Figures: ``docs/design/sage-lstm.md``.
 """
 
 from __future__ import annotations
@@ -234,7 +232,7 @@ class _Recurrence(torch.autograd.Function):
         dw = dgates[rows:].t().mm(hs[rows:]) if ctx.needs_input_grad[1] else None
         dproj = None
         if ctx.needs_input_grad[0]:
-            # torch splits each index_add row over the threads: 2 threads cost 4-5x the CPU time
+            # torch splits each index_add row over the threads, which costs several times the CPU time
             with torch_threads(1):
                 dproj = gates.new_zeros(ctx.num_cols, gates.shape[1]).index_add_(0, plan.steps, dgates)
         return dproj, dw, None

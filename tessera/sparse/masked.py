@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from tessera.graph.csr import CSRStructure
+from tessera.kernels.dropout import dropout_mask
 from tessera.sparse.aggregate import AggregateFn, aggregate, check_reduce, inv_in_degree, keep_of
-from tessera.sparse.dropout import dropout_mask
 from tessera.sparse.operand import Operand, as_operand
 
 

@@ -17,7 +17,6 @@ import torch
 
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
-from tessera.sparse.relation_plan import Relations
 
 
 class Operand(ABC):
@@ -80,31 +79,12 @@ class Operand(ABC):
             "or in one process"
         )
 
-    def relations(self) -> Relations:
-        """The per-relation structures relational layers (RGCN) aggregate with; only operands that
-        hold every in-edge of their rows (one process, a partition rank's source gather) have them."""
-        raise ConfigError(
-            f"{type(self).__name__} has no per-relation structure: RGCN runs with --strategy partition or in "
-            "one process, on a typed graph"
-        )
-
     def gather_sources(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Per-vertex tensors of this operand's rows extended to its columns (the rows
         :meth:`spmm` reads). Where every column is a row of this process they are the tensors
         themselves; an operand over part of a graph appends the rows of its remote sources
         (received, with their gradients sent back in backward)."""
         return xs
-
-    def relational_sources(
-        self, x: torch.Tensor, weight: torch.Tensor, reduce: str
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What :func:`~tessera.sparse.relational.relational_sum` multiplies for this operand's
-        rows, given ``x`` (its rows' inputs) and ``weight`` (``(R, fi, fo)``): the rows of the
-        columns of :meth:`relations` (:meth:`gather_sources`' rows), and a term to add to their
-        relational sum, or None. An operand over part of a graph whose remote sources are
-        transformed by their owners returns ``x`` (its relations then span its own sources) and
-        the received ``W_r x_j`` rows, already reduced into its rows."""
-        return self.gather_sources(x)[0], None
 
     def gather_edge_terms(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-vertex terms per-edge values are computed from, extended to :meth:`edge_structure`:

@@ -176,7 +176,7 @@ def check_plan(ckpt: dict[str, Any], path: str | Path, model: GNN) -> dict[str, 
     c.kind("'plan'['choices']", entries, list)
     if len(entries) != len(model.convs):
         c.fail("'plan'['choices']", f"has {len(entries)} entries, but the model has {len(model.convs)} layers")
-    for i, (entry, conv) in enumerate(zip(entries, model.convs)):
+    for i, (entry, conv) in enumerate(zip(entries, model.layers)):
         field = f"'plan'['choices'][{i}]"
         c.kind(field, entry, str)
         try:

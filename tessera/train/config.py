@@ -12,7 +12,7 @@ from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.parallel.mixed import parse_strategy
-from tessera.sparse.relation_plan import split_variant
+from tessera.relational.plan import split_variant
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -278,8 +278,8 @@ def check_strategy_flags(cfg: TrainConfig, given: Iterable[str]) -> None:
             used = any(name in STRATEGIES[c.strategy].reads and name not in dict(c.overrides) for c in choices)
         if not used:
             flag = f"--{name.replace('_', '-')}"
-            readers = [k for k, s in sorted(STRATEGIES.items()) if name in s.reads]
-            readers = " and ".join(readers) + (" strategies" if len(readers) > 1 else " strategy")
+            names = [k for k, s in sorted(STRATEGIES.items()) if name in s.reads]
+            readers = " and ".join(names) + (" strategies" if len(names) > 1 else " strategy")
             if choices is not None:
                 why = f"no layer of --strategy {cfg.strategy} uses it"
                 why += " (hybrid:M entries name their own M)" if name == "groups" else ""

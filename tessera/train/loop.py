@@ -15,20 +15,20 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from tessera import workspace
 from tessera.comm.accounting import add_epoch
 from tessera.comm.group import Comm, env_world_size, single_process
+from tessera.dense import gemm_path
 from tessera.errors import ConfigError, DistributedError, TesseraError
 from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
 from tessera.nn.loss import cross_entropy_rows
-from tessera.sparse import gemm_path
 from tessera.threads import set_num_threads
 from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
 from tessera.train.config import TrainConfig
 from tessera.train.optim import Adam
+from tessera.train.progress import progress
 from tessera.train.setup import prepare
 
 CHECKPOINT = "checkpoint.pt"
@@ -112,7 +112,7 @@ class Trainer:
         self.epoch = 0
         self.best: dict[str, Any] = {"val_acc": -1.0, "val_loss": float("inf"), "epoch": 0, "state": None}
         self.bad_epochs = 0
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, Any]] = []
 
     def fingerprint(self) -> str:
         """Fingerprint of the graph as the caller numbered it (what checkpoints are tied to)."""
@@ -190,7 +190,7 @@ class Trainer:
             "best": self.best,
             "bad_epochs": self.bad_epochs,
             "history": self.history,
-            "plan": None if self.plan is None else {"world": self.plan["world"], "choices": list(self.plan["choices"])},
+            "plan": None if self.plan is None else {"world": self.plan.world, "choices": list(self.plan.choices)},
         }
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
@@ -282,15 +282,7 @@ class Trainer:
             print(f"tessera: no checkpoint in {self.out}; starting from epoch 1", file=sys.stderr)
         metrics = self._start_metrics()
         stopped = self.bad_epochs >= cfg.patience > 0
-        bar = tqdm(
-            total=cfg.epochs,
-            initial=self.epoch,
-            disable=not cfg.progress,
-            desc="train",
-            unit="ep",
-            leave=True,
-            mininterval=0.5,
-        )
+        bar = progress(cfg.epochs, self.epoch, cfg.progress)
         try:
             while self.epoch < cfg.epochs and not stopped:
                 t0 = time.perf_counter()
@@ -298,7 +290,7 @@ class Trainer:
                 step = time.perf_counter() - t0
                 self.epoch += 1
                 ev = self.evaluate()
-                rec = {"epoch": self.epoch, "train_loss": loss, **ev, "epoch_time_s": step}
+                rec: dict[str, Any] = {"epoch": self.epoch, "train_loss": loss, **ev, "epoch_time_s": step}
                 self._stop_if_diverged(rec)
                 if self.log is not None:
                     rec["comm"] = self.log.gather(self.comm)
@@ -379,7 +371,7 @@ class Trainer:
         if self.comm_totals:
             result["comm"] = self.comm_totals
         if self.plan is not None:
-            result["plan"] = self.plan
+            result["plan"] = self.plan.to_dict()
         write_json(self.out / RESULT, result)
         if self.cfg.plot:
             from tessera.train.plot import plot_curves
@@ -398,6 +390,7 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
 
         graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
     if env_world_size() <= 1 and not cfg.parts_dir:
+        assert graph is not None  # loaded above
         trainer = Trainer(cfg, graph)
         del graph  # a renumbered run trains on its own copy: the loaded graph's memory can go
         return trainer.fit()
@@ -415,7 +408,9 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
     try:
         if world > 1:
             comm = init_from_env(cfg.timeout)
-        result = Trainer(cfg, graph if part is None else part, comm).fit()
+        source = graph if part is None else part
+        assert source is not None  # the graph loaded above, unless part files were given
+        result = Trainer(cfg, source, comm).fit()
     except RuntimeError as e:  # gloo/NCCL: a peer died, hung past --timeout, or broke the exchange
         shutdown(clean=False)
         if os.environ.get("TESSERA_DEBUG"):

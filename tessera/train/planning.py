@@ -14,14 +14,14 @@ from tessera.graph import Graph
 from tessera.nn.models import GNN
 from tessera.parallel.base import StrategyOptions
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_strategy
-from tessera.planner.plan import LayerProbe, plan_choices, plan_layers
+from tessera.planner.plan import LayerProbe, Plan, plan_choices, plan_layers
 from tessera.train.config import TrainConfig
 
 
 def model_probe(model: GNN, cfg: TrainConfig) -> LayerProbe:
     """The planner's view of ``model``: copies of each layer in every placement it can run."""
     copies = []
-    for conv in model.convs:
+    for conv in model.layers:
         natural = conv.describe().aggregates_first
         places = (natural, *[p for p in conv.placements() if p != natural])
         placed = {}
@@ -58,7 +58,7 @@ def layer_choices(
     comm: Comm,
     options: StrategyOptions,
     resumed: dict[str, Any] | None = None,
-) -> tuple[list[LayerChoice], dict[str, Any] | None, StrategyPool | None]:
+) -> tuple[list[LayerChoice], Plan | None, StrategyPool | None]:
     """Each layer's strategy for a distributed run, the plan's record (None unless ``auto``
     planned) and the strategies it sharded. ``auto`` plans on a whole graph whose layers all run
     under more than one strategy; from part files, or with attention layers, it is partition.
@@ -75,7 +75,7 @@ def layer_choices(
             )
         return [LayerChoice("partition")] * cfg.layers, None, None
     if resumed is not None and resumed["world"] == comm.world:
-        rec = {"choices": list(resumed["choices"]), "world": comm.world, "source": "checkpoint"}
+        rec = Plan(choices=tuple(resumed["choices"]), world=comm.world, source="checkpoint")
         return plan_choices(rec), rec, None
     if resumed is not None and comm.rank == 0:
         print(

@@ -22,6 +22,7 @@ from tessera.nn.models import GNN
 from tessera.parallel import Shard, Strategy, StrategyOptions, make_strategy
 from tessera.parallel.base import SPLITS
 from tessera.parallel.mixed import make_layer_strategy
+from tessera.planner.plan import Plan
 from tessera.sparse import Operand
 from tessera.train.checkpoint import check_plan
 from tessera.train.config import TrainConfig
@@ -77,12 +78,13 @@ class Setup:
     operands: list[Operand]
     order: VertexOrder | None
     counts: dict[str, int]  # global split sizes
-    plan: dict[str, Any] | None = None  # the planner's record under --strategy auto
+    plan: Plan | None = None  # the planner's record under --strategy auto
 
 
 def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
     if isinstance(source, Graph):
         source.require("x", "y", "train_mask", "val_mask", "test_mask")
+        assert source.num_classes is not None  # set with the labels
         return source.num_features, int(source.num_classes)
     return int(source["x"].shape[1]), int(source.get("meta", {}).get("num_classes"))
 
@@ -183,11 +185,12 @@ def prepare(
     renumbered = _distributed_order(source, cfg.reorder, widths, cfg.backend, comm) if distributed else None
     original = source
     if renumbered is not None:
+        assert isinstance(source, Graph)  # part files are never renumbered
         source = renumbered.permute(source)
     if distributed:
         resumed = check_plan(checkpoint[1], checkpoint[0], model) if checkpoint is not None else None
         choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed)
-        for conv, choice in zip(model.convs, choices):
+        for conv, choice in zip(model.layers, choices):
             conv.place(choice.aggregate_first)
         strategy = make_layer_strategy(comm, options, choices, pool)
     else:
@@ -200,6 +203,7 @@ def prepare(
     elif distributed:
         shard = strategy.shard(source)
         if renumbered is not None:
+            assert isinstance(original, Graph)
             shard.ids, shard.fingerprint = renumbered.ids_to_original(shard.ids), original.fingerprint()
     else:
         method = resolve(source, cfg.reorder, [s.aggregate_width for s in specs], cfg.backend)

@@ -166,5 +166,7 @@ def load_planetoid(root: str | Path, name: str) -> Graph:
         y=yt,
         num_classes=int(onehot.shape[1]),
         name=name,
-        **masks,
+        train_mask=masks["train_mask"],
+        val_mask=masks["val_mask"],
+        test_mask=masks["test_mask"],
     )

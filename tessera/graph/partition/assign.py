@@ -218,7 +218,7 @@ def format_partition_report(stats: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------------------------------- part files
-def _part_arrays(graph: Graph, part: np.ndarray, k: int, parts: int, fingerprint: str) -> dict[str, np.ndarray]:
+def _part_arrays(graph: Graph, part: np.ndarray, k: int, parts: int, fingerprint: str) -> dict[str, Any]:
     indptr, src, dst = _structure(graph)
     owned = np.flatnonzero(part == k).astype(np.int64)
     deg = np.diff(indptr)[owned]
@@ -227,7 +227,7 @@ def _part_arrays(graph: Graph, part: np.ndarray, k: int, parts: int, fingerprint
     out_e = np.flatnonzero((part[src] == k) & (part[dst] != k))
     out_src = np.searchsorted(owned, src[out_e])
     ref_ids = np.unique(np.concatenate([src[eid], dst[out_e]]))
-    arrays: dict[str, np.ndarray] = {
+    arrays: dict[str, Any] = {  # arrays and numpy scalars, as np.savez takes them
         "rank": np.int64(k),
         "parts": np.int64(parts),
         "num_nodes": np.int64(graph.num_nodes),
@@ -276,7 +276,7 @@ def write_parts(graph: Graph, part: np.ndarray, out_dir: str | os.PathLike, meth
     for k in range(parts):
         arrays = _part_arrays(graph, part, k, parts, fp)
 
-        def write(tmp: Path, arrays: dict[str, np.ndarray] = arrays) -> None:
+        def write(tmp: Path, arrays: dict[str, Any] = arrays) -> None:
             with open(tmp, "wb") as f:
                 np.savez(f, **arrays)
 

@@ -38,6 +38,24 @@ MODES = ("post", "pre", "prepost")
 # split(p, q, src_global, dst_global) -> bool per edge: True where the edge is post-aggregated
 SplitFn = Callable[[int, int, np.ndarray, np.ndarray], np.ndarray]
 
+# CSR arrays: (indptr, indices, values or None)
+CSRArrays = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+# What a rank's plan is built from (see graph_rank_inputs): owned ids; in-edges (indptr over owned
+# rows, global sources, weights, source owners); outgoing cut edges (local sources, global
+# destinations, weights, destination owners)
+RankInputs = tuple[
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray | None,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray | None,
+    np.ndarray,
+]
+
 
 class LocalCSR(NamedTuple):
     """``A_r``: in-edges among owned vertices, ``n_owned x n_owned`` (``weight`` None = all ones)."""
@@ -116,7 +134,7 @@ def make_split(mode: str, memo: dict | None = None) -> SplitFn:
 
 
 # ---------------------------------------------------------------------------------------- core
-def _csr(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray | None, n_rows: int):
+def _csr(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray | None, n_rows: int) -> CSRArrays:
     """CSR arrays (entries sorted by row, then column) from COO."""
     order = np.lexsort((cols, rows))
     indptr = np.zeros(n_rows + 1, dtype=np.int64)
@@ -161,7 +179,7 @@ def _build(
     a = LocalCSR(
         a_indptr,
         np.searchsorted(owned, in_src[loc]).astype(np.int64),
-        in_w[loc].astype(np.float32) if weighted else None,
+        in_w[loc].astype(np.float32) if in_w is not None else None,
     )
 
     # R: cut in-edges, grouped by the peer that owns the source
@@ -180,7 +198,7 @@ def _build(
         r_rows += [dl[post], pre_rows]
         r_src += [post_rows, np.full(pre_rows.size, -1, dtype=np.int64)]
         r_cols += [base + np.searchsorted(post_rows, s[post]), base + post_rows.size + np.arange(pre_rows.size)]
-        if weighted:
+        if in_w is not None:
             r_vals += [in_w[e][post], np.ones(pre_rows.size, dtype=np.float32)]
         recv_counts[p] = post_rows.size + pre_rows.size
         base += int(recv_counts[p])
@@ -203,6 +221,7 @@ def _build(
         s_rows += [base + np.arange(post_rows.size), base + post_rows.size + np.searchsorted(pre_rows, d[~post])]
         s_cols += [post_rows, sl[~post]]
         if weighted:
+            assert out_w is not None  # a weighted graph's cut edges carry weights too
             s_vals += [np.ones(post_rows.size, dtype=np.float32), out_w[e][~post]]
         rows_post[q], rows_pre[q] = post_rows.size, pre_rows.size
         send_counts[q] = post_rows.size + pre_rows.size
@@ -226,7 +245,7 @@ def _build(
     )
 
 
-def _cat_csr(rows: list, cols: list, vals: list | None, n_rows: int):
+def _cat_csr(rows: list, cols: list, vals: list | None, n_rows: int) -> CSRArrays:
     empty = np.zeros(0, dtype=np.int64)
     rr = np.concatenate([empty, *rows]).astype(np.int64)
     cc = np.concatenate([empty, *cols]).astype(np.int64)
@@ -235,7 +254,9 @@ def _cat_csr(rows: list, cols: list, vals: list | None, n_rows: int):
 
 
 # ---------------------------------------------------------------------------------------- from a graph
-def _check_inputs(indptr, indices, weight, part, world: int | None) -> tuple[np.ndarray, ...]:
+def _check_inputs(
+    indptr, indices, weight, part, world: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, int]:
     indptr = np.asarray(indptr).astype(np.int64, copy=False)
     indices = np.asarray(indices).astype(np.int64, copy=False)
     part = np.asarray(part).astype(np.int64, copy=False)
@@ -260,7 +281,7 @@ def row_edges(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.repeat(indptr[rows] - offs, deg) + np.arange(int(deg.sum()), dtype=np.int64)
 
 
-def _rank_inputs(indptr, indices, weight, part, rank, owned, out_e, dst) -> tuple:
+def _rank_inputs(indptr, indices, weight, part, rank, owned, out_e, dst) -> RankInputs:
     eid = row_edges(indptr, owned)
     in_indptr = np.zeros(owned.size + 1, dtype=np.int64)
     np.cumsum(indptr[owned + 1] - indptr[owned], out=in_indptr[1:])
@@ -298,7 +319,7 @@ def build_rank_plan(
 
 def graph_rank_inputs(
     indptr: np.ndarray, indices: np.ndarray, weight: np.ndarray | None, part: np.ndarray, rank: int, world: int | None
-) -> tuple[int, tuple, np.ndarray]:
+) -> tuple[int, RankInputs, np.ndarray]:
     """Rank ``rank``'s edges of the global destination-major CSR: the world size, the arrays a
     plan is built from (owned ids; in-edges as CSR over owned rows with global sources, weights
     and source owners; outgoing cut edges' local sources, global destinations, weights and
@@ -344,7 +365,7 @@ def plan_from_part(data: dict[str, Any], mode: str = "prepost") -> RankPlan:
     return _build(int(data["rank"]), int(data["parts"]), mode, *part_rank_inputs(data), make_split(mode))
 
 
-def part_rank_inputs(data: dict[str, Any]) -> tuple:
+def part_rank_inputs(data: dict[str, Any]) -> RankInputs:
     """The arrays a plan is built from (as :func:`graph_rank_inputs`) from a rank's own part file."""
     ref_ids, ref_part = data["ref_ids"].astype(np.int64), data["ref_part"].astype(np.int64)
     src = data["src"].astype(np.int64)

@@ -88,7 +88,7 @@ def _part_graph_ctypes(xadj, adjncy, eweights, vweights: np.ndarray, parts: int,
     lib = _metis_lib()
     name = "METIS_PartGraphRecursive" if recursive else "METIS_PartGraphKway"
     fn = getattr(lib, name, None) if lib is not None else None
-    if fn is None:
+    if lib is None or fn is None:
         raise RuntimeError(f"{name} of pymetis's METIS (64-bit idx_t) is not reachable through ctypes")
     import pymetis._internal as internal
 
@@ -104,8 +104,8 @@ def _part_graph_ctypes(xadj, adjncy, eweights, vweights: np.ndarray, parts: int,
     vw = np.ascontiguousarray(vweights, dtype=np.int64).ravel()
     options = np.full(128, -1, dtype=np.int64)  # METIS_NOPTIONS is 40; room to spare
     lib.METIS_SetDefaultOptions(ptr(options))
-    options[int(internal.OptionKey.SEED)] = int(seed)
-    options[int(internal.OptionKey.NUMBERING)] = 0
+    options[int(internal.OptionKey.SEED)] = int(seed)  # type: ignore[attr-defined]  # absent from its stub
+    options[int(internal.OptionKey.NUMBERING)] = 0  # type: ignore[attr-defined]
     nv, nc, npart, objval = (ctypes.c_int64(v) for v in (n, ncon, parts, 0))
     out = np.zeros(max(n, 1), dtype=np.int64)
     fn.restype = ctypes.c_int

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from tessera import sparse
+from tessera import dense, sparse
+from tessera.memo import TensorMemo
 from tessera.nn.conv.base import LayerHints
 from tessera.sparse import LayerSpec, Operand
 from tessera.sparse.rows import take_rows
@@ -26,7 +28,17 @@ def add_bias_(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     map's, which neither saves), so the bias costs no N x F temporary. A float32 bias of a
     bfloat16 output is cast first: added as it is, the in-place add copies the whole output to
     float32 and back."""
-    return out if bias is None else out.add_(sparse.cast_like(out, bias))
+    return out if bias is None else out.add_(dense.cast_like(out, bias))
+
+
+class LinearMap(Protocol):
+    """What the shared layer helpers read of a linear map: its weight, widths and product."""
+
+    weight: torch.Tensor
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class InputAggregate:
@@ -37,11 +49,7 @@ class InputAggregate:
     for it: the strategies' logs count its bytes once, on the first call."""
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._out: torch.Tensor | None = None
-
-    def __getstate__(self) -> dict:
-        return {"_key": None, "_out": None}  # copies and pickles of a model start empty
+        self._memo: TensorMemo[torch.Tensor] = TensorMemo(last_only=True)
 
     def __call__(
         self, graph: object, x: torch.Tensor, compute: Callable[[], torch.Tensor], extra: object = None
@@ -50,19 +58,13 @@ class InputAggregate:
         (whatever else ``compute`` reads, compared by value)."""
         if x.requires_grad:
             return compute()
-        k = self._key
-        same = k is not None and k[0]() is graph and k[1]() is x and k[2:] == (x._version, extra)
-        if same and self._out is not None:
-            return self._out
-        out = compute()
-        self._key, self._out = (weakref.ref(graph), weakref.ref(x), x._version, extra), out
-        return out
+        return self._memo.get(x, compute, key=(weakref.ref(graph), extra))
 
 
 def linear_then_aggregate(
     a: Operand,
     x: torch.Tensor,
-    lin: torch.nn.Linear,
+    lin: LinearMap,
     reduce: str = "sum",
     hints: LayerHints | None = None,
     aggregate_first: bool | None = None,
@@ -75,16 +77,16 @@ def linear_then_aggregate(
     ``hints``, the side that aggregates uses its own (see :class:`LayerHints`). ``constant`` (the
     layer's memo and the graph operand it was called with): with ``hints.constant_input``, ``A x``
     is computed once. ``hints.input_dropout`` is applied to ``x`` first, inside the linear map
-    (:func:`~tessera.sparse.dropout_linear`: over ``x``'s non-zeros where it is mostly zeros)."""
+    (:func:`~tessera.dense.dropout_linear`: over ``x``'s non-zeros where it is mostly zeros)."""
     hints = hints or LayerHints()
     if aggregates_output(lin, aggregate_first):
-        xw = sparse.dropout_linear(x, lin.weight, None, hints.input_dropout, True, hints.rows)
+        xw = dense.dropout_linear(x, lin.weight, None, hints.input_dropout, True, hints.rows)
         if hints.targets is not None:
             return target_aggregate(a, xw, reduce, hints.targets)
         if hints.output_mask is not None:
             return sparse.masked_aggregate(a, xw, hints.output_mask, reduce)
         return sparse.aggregate(a, xw, reduce)
-    return lin(input_aggregate(a, sparse.dropout(x, hints.input_dropout, True, hints.rows), reduce, hints, constant))
+    return lin(input_aggregate(a, dense.dropout(x, hints.input_dropout, True, hints.rows), reduce, hints, constant))
 
 
 def input_aggregate(
@@ -118,16 +120,16 @@ def target_aggregate(a: Operand, x: torch.Tensor, reduce: str, targets: torch.Te
 def finish(out: torch.Tensor, hints: LayerHints) -> torch.Tensor:
     """A layer's output with the ``hints``' epilogue (activation, dropout) applied, if any."""
     ep = hints.epilogue
-    return out if ep is None else sparse.act_dropout(out, ep.act, ep.p, True, hints.output_rows())
+    return out if ep is None else dense.act_dropout(out, ep.act, ep.p, True, hints.output_rows())
 
 
-def aggregates_output(lin: torch.nn.Linear, aggregate_first: bool | None = None) -> bool:
+def aggregates_output(lin: LinearMap, aggregate_first: bool | None = None) -> bool:
     """Whether :func:`linear_then_aggregate` aggregates after the linear map: when the output is
     narrower, unless ``aggregate_first`` fixes the order."""
     return lin.out_features <= lin.in_features if aggregate_first is None else not aggregate_first
 
 
-def linear_spec(lin: torch.nn.Linear, aggregate_first: bool | None = None) -> LayerSpec:
+def linear_spec(lin: LinearMap, aggregate_first: bool | None = None) -> LayerSpec:
     """The :class:`LayerSpec` of a layer built on :func:`linear_then_aggregate`."""
     last = aggregates_output(lin, aggregate_first)
     return LayerSpec(

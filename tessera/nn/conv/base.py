@@ -1,17 +1,18 @@
-"""What every graph layer offers besides ``forward``: a description of its widths for the
-strategies and planner, and which S-SpMM hints it can use."""
+"""The contract between a graph layer and the model around it: what a layer offers besides
+``forward`` (its widths for the strategies and planner, what it can fuse) and what the model
+tells it per call (:class:`LayerHints`)."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
 
+from tessera.dense import Epilogue
 from tessera.errors import ConfigError
-from tessera.sparse import Epilogue, GraphOperand, LayerSpec
+from tessera.sparse import GraphOperand, LayerSpec
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,12 @@ class LayerHints:
     a layer that aggregates its input first may aggregate it once and reuse the result (MixGCN
     Algorithm 2, line 1: the raw features are aggregated once). ``epilogue``: the activation and
     dropout the model applies to the output (only for layers that declare
-    :attr:`GraphConv.takes_epilogue`), which a layer ending in a dense transform fuses into it.
+    :attr:`Fusion.epilogue`), which a layer ending in a dense transform fuses into it.
     ``input_dropout``: the dropout probability the model leaves to the layer to apply to its input
-    (only for layers that declare :attr:`GraphConv.takes_input_dropout`; 0: none), keyed by
-    ``rows`` as :func:`tessera.sparse.dropout` keys it. ``targets``: the rows of the output the
+    (only for layers that declare :attr:`Fusion.input_dropout`; 0: none), keyed by
+    ``rows`` as :func:`tessera.dense.dropout` keys it. ``targets``: the rows of the output the
     caller reads (distinct int64 positions; only for layers that declare
-    :attr:`GraphConv.takes_targets`, which then return ``out[targets]`` having computed only
+    :attr:`Fusion.targets`, which then return ``out[targets]`` having computed only
     those rows; None: every row)."""
 
     input_grad_mask: torch.Tensor | None = None
@@ -50,21 +51,53 @@ class LayerHints:
         return self.targets if self.rows is None else self.rows[self.targets]
 
 
+@dataclass(frozen=True)
+class Fusion:
+    """What a layer can take over from the model around it; each field names the
+    :class:`LayerHints` field the layer then honours. The model reads it once, when it builds its
+    execution plan, never per call.
+
+    ``input_dropout``: the layer applies the dropout before it (``hints.input_dropout``) inside its
+    first product. ``epilogue``: it applies the activation and dropout after it
+    (``hints.epilogue``). ``targets``: it computes only ``hints.targets``' rows. ``input_grad_mask``
+    / ``output_mask``: the S-SpMM sides it uses (MixGCN §3.2.1). ``reads_input``: its backward
+    reads its input (a product by a weight saves it); when it does not, the layer before keeps only
+    where its ReLU output is non-zero, one byte per element (:class:`~tessera.dense.Epilogue`
+    ``mask_only``)."""
+
+    input_dropout: bool = False
+    epilogue: bool = False
+    targets: bool = False
+    input_grad_mask: bool = False
+    output_mask: bool = False
+    reads_input: bool = True
+
+
 class GraphConv(nn.Module):
-    """A graph layer: ``forward(x, graph)`` with ``graph`` a :data:`~tessera.sparse.GraphOperand`."""
+    """A graph layer: ``forward(x, graph, hints)`` with ``graph`` a :data:`~tessera.sparse.GraphOperand`.
+
+    The contract with the model, all a new layer needs:
+
+    * ``forward(x, graph, hints=None)`` returns the layer's output for input rows ``x``, aggregating
+      over ``graph`` (turn it into an operand with :func:`~tessera.sparse.as_operand` and compute
+      with the primitives of :mod:`tessera.sparse` and :mod:`tessera.dense`). ``hints`` (None: all
+      defaults) carries ``rows`` (the global ids that key the layer's own random draws) and
+      ``constant_input`` (the input is the same unchanged tensor at every call: a layer that
+      aggregates it first may do so once), which any layer may ignore, and the fields of what the
+      layer declared in :meth:`fusion`; a field the layer did not declare stays at its default.
+    * ``reset_parameters()`` re-initialises it (by default every torch ``Linear`` directly in it).
+    * ``describe()`` returns its :class:`~tessera.sparse.LayerSpec` (widths, whether it aggregates
+      first), which strategies and the planner read.
+    * ``fusion()`` (default: nothing) declares what the layer takes over from the model
+      (:class:`Fusion`); the model's execution plan then hands it those jobs and does not do them
+      itself. It may depend on the placement (:meth:`place`), which is fixed before training.
+    * ``placements()`` / ``place()`` only for a layer that can aggregate on either side of its dense
+      transform (WiseGraph's operation placement).
+    """
 
     #: WiseGraph's operation placement (§5.4): None lets the layer pick the side of its dense
     #: transform it aggregates on (the narrower); True / False fix aggregation before / after it.
     aggregate_first: bool | None = None
-    #: whether ``forward`` applies :attr:`LayerHints.epilogue` itself (else the model applies the
-    #: activation and dropout to the output)
-    takes_epilogue: ClassVar[bool] = False
-    #: whether ``forward`` applies :attr:`LayerHints.input_dropout` itself (a layer that starts
-    #: with a linear map of its input fuses the dropout into it: :func:`tessera.sparse.dropout_linear`)
-    takes_input_dropout: ClassVar[bool] = False
-    #: whether ``forward`` computes only :attr:`LayerHints.targets`' rows itself (else the model
-    #: selects them from the whole output)
-    takes_targets: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
@@ -73,6 +106,16 @@ class GraphConv(nn.Module):
     @abstractmethod
     def describe(self) -> LayerSpec:
         """This layer's widths (input, output, aggregated) and whether it aggregates first."""
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the layer's parameters; by default every torch ``Linear`` directly in it."""
+        for child in self.children():
+            if isinstance(child, nn.Linear):
+                child.reset_parameters()
+
+    def fusion(self) -> Fusion:
+        """What this layer takes over from the model (:class:`Fusion`); by default nothing."""
+        return Fusion()
 
     def placements(self) -> tuple[bool, ...]:
         """The ``aggregate_first`` orders this layer can run in; most layers have only their own."""
@@ -87,13 +130,3 @@ class GraphConv(nn.Module):
                 "drop the @aggregate-first/@transform-first suffix for this layer"
             )
         self.aggregate_first = aggregate_first
-
-    def keeps_input(self) -> bool:
-        """Whether this layer's backward reads its input itself (a product by a weight saves it).
-        When it does not, the layer before keeps only where its ReLU output is non-zero, one byte
-        per element, instead of the whole output (:class:`~tessera.sparse.Epilogue` ``mask_only``)."""
-        return True
-
-    def s_spmm_sides(self) -> tuple[bool, bool]:
-        """Which S-SpMM field of :class:`LayerHints` ``forward`` uses: (``input_grad_mask``, ``output_mask``)."""
-        return False, False

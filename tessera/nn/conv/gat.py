@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera import sparse
+from tessera import dense, sparse
 from tessera.memo import PlanCache
 from tessera.nn.conv._util import add_bias_, glorot_
-from tessera.nn.conv.base import GraphConv, LayerHints
+from tessera.nn.conv.base import Fusion, GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
@@ -20,8 +20,6 @@ _keys = PlanCache()
 class GATConv(GraphConv):
     """Multi-head attention ``x'_i = sum_j alpha_ij W x_j`` with
     ``alpha_ij = softmax_j(LeakyReLU(a_src . W x_j + a_dst . W x_i))`` (PyG ``GATConv``)."""
-
-    takes_input_dropout = True
 
     def __init__(
         self,
@@ -67,14 +65,14 @@ class GATConv(GraphConv):
         n, heads, width = x.shape[0], self.heads, self.out_channels
         p_in = hints.input_dropout if hints is not None else 0.0
         rows = hints.rows if hints is not None else None
-        flat = sparse.dropout_linear(x, self.lin.weight, self.lin.bias, p_in, True, rows)
+        flat = dense.dropout_linear(x, self.lin.weight, self.lin.bias, p_in, True, rows)
         h = flat.view(n, heads, width)
         # Both ends' attention terms as one product with a block-diagonal (2 heads, heads x width)
         # matrix: no (N, heads, width) temporaries, and the input gradient lands in one block.
         att = torch.cat(
             [torch.block_diag(*self.att_src[0].unsqueeze(1)), torch.block_diag(*self.att_dst[0].unsqueeze(1))]
         )
-        terms = sparse.linear(flat, att)
+        terms = dense.linear(flat, att)
         if terms.dtype == torch.bfloat16:  # attention in float32 (N x 2 heads: small)
             terms = terms.float()
         a_src, a_dst = terms[:, :heads].contiguous(), terms[:, heads:].contiguous()
@@ -96,6 +94,9 @@ class GATConv(GraphConv):
         # the bias in place on the fresh aggregate, before the reshape: in place on the reshaped
         # view would make autograd copy the whole gradient in backward
         return add_bias_(out, None if self.bias is None else self.bias.view(heads, width)).reshape(-1, heads * width)
+
+    def fusion(self) -> Fusion:
+        return Fusion(input_dropout=True)
 
     def describe(self) -> LayerSpec:
         width = self.heads * self.out_channels

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera import sparse
+from tessera import dense
 from tessera.errors import ConfigError
 from tessera.nn.conv._util import (
     InputAggregate,
@@ -17,7 +17,7 @@ from tessera.nn.conv._util import (
     linear_spec,
     linear_then_aggregate,
 )
-from tessera.nn.conv.base import GraphConv, LayerHints
+from tessera.nn.conv.base import Fusion, GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 
@@ -31,10 +31,6 @@ class GCNConv(GraphConv):
     effect there; tessera keeps ``A + 2I`` as in PyG's weighted path (the same as passing PyG
     unit weights). ``add_self_loops`` defaults to ``normalize``; loops without normalisation are
     refused, as in PyG."""
-
-    takes_epilogue = True
-    takes_targets = True
-    takes_input_dropout = True
 
     def __init__(
         self, in_channels: int, out_channels: int, improved: bool = False, add_self_loops: bool | None = None,
@@ -70,9 +66,9 @@ class GCNConv(GraphConv):
         if aggregates_output(self.lin, self.aggregate_first):
             out = linear_then_aggregate(a, x, self.lin, "sum", hints, self.aggregate_first)
             return finish(add_bias_(out, self.bias), hints)
-        x = sparse.dropout(x, hints.input_dropout, True, hints.rows)
+        x = dense.dropout(x, hints.input_dropout, True, hints.rows)
         agg = input_aggregate(a, x, "sum", hints, (self._input_aggregate, graph))
-        return sparse.linear_act([agg], [self.lin.weight], self.bias, hints.epilogue, hints.output_rows())
+        return dense.linear_act([agg], [self.lin.weight], self.bias, hints.epilogue, hints.output_rows())
 
     def describe(self) -> LayerSpec:
         return linear_spec(self.lin, self.aggregate_first)
@@ -80,13 +76,17 @@ class GCNConv(GraphConv):
     def placements(self) -> tuple[bool, ...]:
         return (True, False)
 
-    def keeps_input(self) -> bool:
+    def fusion(self) -> Fusion:
         # aggregating first, the input goes only into the sum, whose fixed weights need nothing of it
-        return aggregates_output(self.lin, self.aggregate_first)
-
-    def s_spmm_sides(self) -> tuple[bool, bool]:
         last = aggregates_output(self.lin, self.aggregate_first)
-        return not last, last
+        return Fusion(
+            input_dropout=True,
+            epilogue=True,
+            targets=True,
+            input_grad_mask=not last,
+            output_mask=last,
+            reads_input=last,
+        )
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tessera import sparse
+from tessera import dense, sparse
 from tessera.nn.conv._util import InputAggregate, finish, target_aggregate
-from tessera.nn.conv.base import GraphConv, LayerHints
+from tessera.nn.conv.base import Fusion, GraphConv, LayerHints
 from tessera.nn.mlp import MLP
 from tessera.sparse import GraphOperand, LayerSpec, Operand, as_operand
 from tessera.sparse.rows import take_rows
@@ -14,9 +14,6 @@ from tessera.sparse.rows import take_rows
 
 class GINConv(GraphConv):
     """``x'_i = nn((1 + eps) x_i + sum_{j in N(i)} x_j)`` (PyG ``GINConv``)."""
-
-    takes_epilogue = True
-    takes_targets = True
 
     def __init__(self, nn: torch.nn.Module, eps: float = 0.0, train_eps: bool = False, backend: str = "auto") -> None:
         super().__init__()
@@ -31,7 +28,7 @@ class GINConv(GraphConv):
         """Reset the MLP and eps."""
         for m in self.nn.modules():
             if m is not self.nn and hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+                m.reset_parameters()  # type: ignore[operator]  # a module of the user's MLP
         self.eps.data.fill_(self.initial_eps)
 
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
@@ -43,13 +40,13 @@ class GINConv(GraphConv):
             h = self._target_rows(a, x, hints.targets)
         elif hints.constant_input and isinstance(self.eps, torch.nn.Parameter):
             out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
-            h = out + sparse.cast_like(x, 1 + self.eps) * x  # not in place: the aggregate is kept
+            h = out + dense.cast_like(x, 1 + self.eps) * x  # not in place: the aggregate is kept
         elif hints.constant_input:  # a fixed eps: the root term is constant too, and kept with the sum
             w = 1.0 + float(self.eps)
             h = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum", self_weight=w), w)
         elif isinstance(self.eps, torch.nn.Parameter):
             # eps (float32) in x's dtype: a bfloat16 x would otherwise be promoted to float32
-            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask) + sparse.cast_like(x, 1 + self.eps) * x
+            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask) + dense.cast_like(x, 1 + self.eps) * x
         else:  # the root term inside the aggregation, in place both ways: no N x F temporaries
             h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask, self_weight=1.0 + float(self.eps))
         if isinstance(self.nn, MLP):
@@ -59,19 +56,18 @@ class GINConv(GraphConv):
     def _target_rows(self, a: Operand, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """``((1 + eps) x + A x)[targets]``, over the targets' in-edges only where the operand can."""
         if isinstance(self.eps, torch.nn.Parameter):
-            return target_aggregate(a, x, "sum", targets) + sparse.cast_like(x, 1 + self.eps) * take_rows(x, targets)
+            return target_aggregate(a, x, "sum", targets) + dense.cast_like(x, 1 + self.eps) * take_rows(x, targets)
         return target_aggregate(a, x, "sum", targets, self_weight=1.0 + float(self.eps))
 
     def describe(self) -> LayerSpec:
         linears = [m for m in self.nn.modules() if isinstance(m, torch.nn.Linear)]
         return LayerSpec(linears[0].in_features, linears[-1].out_features, linears[0].in_features, True)
 
-    def keeps_input(self) -> bool:
+    def fusion(self) -> Fusion:
         # the input goes into the sum and its root term; only a trainable eps's product keeps it
-        return isinstance(self.eps, torch.nn.Parameter)
-
-    def s_spmm_sides(self) -> tuple[bool, bool]:
-        return True, False
+        return Fusion(
+            epilogue=True, targets=True, input_grad_mask=True, reads_input=isinstance(self.eps, torch.nn.Parameter)
+        )
 
     def extra_repr(self) -> str:
         return f"eps={self.initial_eps}"

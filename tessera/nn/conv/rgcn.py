@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera import sparse
+from tessera import dense
 from tessera.errors import ConfigError
 from tessera.nn.conv._util import glorot_
 from tessera.nn.conv.base import GraphConv, LayerHints
+from tessera.relational.operand import relational
+from tessera.relational.plan import split_variant
+from tessera.relational.variants import relational_sum
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
-from tessera.sparse.relation_plan import split_variant
-from tessera.sparse.relational import relational_sum
 
 
 class RGCNConv(GraphConv):
@@ -23,7 +24,7 @@ class RGCNConv(GraphConv):
     (``weight``: ``(R, in, out)``, ``(B, in, out)`` with bases, ``(R, blocks, in/blocks,
     out/blocks)`` with blocks; ``comp``; ``root``: ``(in, out)``; ``bias``), so a PyG state dict
     loads as is. ``variant`` picks how the relational sum is computed
-    (:mod:`tessera.sparse.relational`; ``auto``: by the operand's cost model and measurement;
+    (:mod:`tessera.relational.variants`; ``auto``: by the operand's cost model and measurement;
     ``gtask:RESTRICTIONS``: the gTask variant on the plan those restrictions cut).
     The operation placement (:meth:`place`) decides what a partitioned rank receives for its
     remote sources (:meth:`describe`); None leaves it to the strategy."""
@@ -94,14 +95,14 @@ class RGCNConv(GraphConv):
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend)
-        rel = a.relations()
+        rel = relational(a).relations()
         if rel.num_relations != self.num_relations:
             raise ConfigError(
                 f"the graph has {rel.num_relations} relations but this RGCN layer was built for {self.num_relations}"
             )
         out = relational_sum(a, x, self.relation_weights(), self.aggr, self.variant)
         if self.root is not None:
-            out = out + sparse.linear(x, self.root.t())
+            out = out + dense.linear(x, self.root.t())
         return out if self.bias is None else out + self.bias
 
     def describe(self) -> LayerSpec:

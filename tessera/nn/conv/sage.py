@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera import sparse
+from tessera import dense, sparse
 from tessera.nn.conv._util import (
     InputAggregate,
     add_bias_,
@@ -19,7 +19,7 @@ from tessera.nn.conv._util import (
     linear_then_aggregate,
     target_aggregate,
 )
-from tessera.nn.conv.base import GraphConv, LayerHints
+from tessera.nn.conv.base import Fusion, GraphConv, LayerHints
 from tessera.nn.linear import Linear
 from tessera.sparse import GraphOperand, LayerSpec, as_operand
 from tessera.sparse.rows import take_rows
@@ -27,10 +27,6 @@ from tessera.sparse.rows import take_rows
 
 class SAGEConv(GraphConv):
     """``x'_i = W_l * reduce_{j in N(i)} x_j + b + W_r x_i`` (PyG ``SAGEConv``)."""
-
-    takes_epilogue = True
-    takes_targets = True
-    takes_input_dropout = True
 
     def __init__(
         self,
@@ -63,7 +59,7 @@ class SAGEConv(GraphConv):
         last = aggregates_output(self.lin_l, self.aggregate_first)
         split = self.lin_r is not None and hints.output_mask is None and last
         if not split:  # x goes into two products: dropped out once, here
-            x = sparse.dropout(x, p_in, True, hints.rows)
+            x = dense.dropout(x, p_in, True, hints.rows)
             hints = replace(hints, input_dropout=0.0)
         if not self.normalize and not last:
             # (A x) W_l^T + b + x W_r^T, the activation and dropout after it: one fused node
@@ -73,7 +69,7 @@ class SAGEConv(GraphConv):
                 if self.lin_r is not None
                 else ([agg], [self.lin_l.weight])
             )
-            return sparse.linear_act(xs, ws, self.lin_l.bias, hints.epilogue, hints.output_rows())
+            return dense.linear_act(xs, ws, self.lin_l.bias, hints.epilogue, hints.output_rows())
         if split:
             xl, xr = self._project_both(x, p_in, hints.rows)
             if targets is None:
@@ -87,21 +83,23 @@ class SAGEConv(GraphConv):
             )
             out = add_bias_(out, self.lin_l.bias)
             if self.lin_r is not None:
-                out = sparse.linear_add_(out, _rows(x, targets), self.lin_r.weight)
+                out = dense.linear_add_(out, _rows(x, targets), self.lin_r.weight)
         if self.normalize:
             out = F.normalize(out, p=2.0, dim=-1)
         return finish(out, hints)
 
     def _project_both(self, x: torch.Tensor, p: float, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``dropout(x, p) W_l^T`` and ``dropout(x, p) W_r^T``, with one dropout draw."""
+        assert self.lin_r is not None  # projected both ways only with a root weight
         weights = [self.lin_l.weight, self.lin_r.weight]
-        if sparse.sparse_rows(x) is not None:
+        if dense.feature_nonzeros(x) is not None:
             # a mostly-zero input (bag of words): one product over its non-zeros, stacked weights
-            both = sparse.dropout_linear(x, torch.cat(weights), None, p, True, rows)
+            both = dense.dropout_linear(x, torch.cat(weights), None, p, True, rows)
             return both[:, : self.out_channels], both[:, self.out_channels :]
         # x W_l^T and x W_r^T as one product: x is read once each way, and its gradient is
         # one product instead of two added in another N x F pass
-        return sparse.linear_split(sparse.dropout(x, p, True, rows), weights)
+        xl, xr = dense.linear_split(dense.dropout(x, p, True, rows), weights)
+        return xl, xr
 
     def describe(self) -> LayerSpec:
         return linear_spec(self.lin_l, self.aggregate_first)
@@ -109,10 +107,16 @@ class SAGEConv(GraphConv):
     def placements(self) -> tuple[bool, ...]:
         return (True, False)
 
-    def s_spmm_sides(self) -> tuple[bool, bool]:
+    def fusion(self) -> Fusion:
         """No output mask after ``normalize``, which mixes a row's entries."""
         last = aggregates_output(self.lin_l, self.aggregate_first)
-        return not last, last and not self.normalize
+        return Fusion(
+            input_dropout=True,
+            epilogue=True,
+            targets=True,
+            input_grad_mask=not last,
+            output_mask=last and not self.normalize,
+        )
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, aggr={self.aggr}"
@@ -131,4 +135,4 @@ class _WeightOnly(nn.Module):
         self.weight, self.in_features, self.out_features = lin.weight, lin.in_features, lin.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse.linear(x, self.weight)
+        return dense.linear(x, self.weight)
