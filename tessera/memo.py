@@ -10,7 +10,8 @@ forgets them all."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -138,6 +139,17 @@ class TuningState:
         self.forced_native_bf16: bool | None = None
         self.forced_backend: str | None = None
         self._memos: weakref.WeakSet[PlanCache | TensorMemo] = weakref.WeakSet()
+
+    @contextmanager
+    def forcing(self, name: str, value: object) -> Iterator[None]:
+        """Within this block, the forced answer ``name`` (one of the ``forced_*`` fields) is ``value``;
+        the answer before it comes back after, whatever the block did."""
+        before = getattr(self, name)
+        setattr(self, name, value)
+        try:
+            yield
+        finally:
+            setattr(self, name, before)
 
     def register(self, memo: PlanCache | TensorMemo) -> None:
         """Clear ``memo`` on :meth:`reset` while it lives."""

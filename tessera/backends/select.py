@@ -76,11 +76,8 @@ def forced(name: str) -> Iterator[None]:
     """Within this block, :func:`choose` answers backend ``name`` for every product (tests and
     benchmarks)."""
     get_backend(name)  # an unknown name is refused here
-    before, tuning.forced_backend = tuning.forced_backend, name
-    try:
+    with tuning.forcing("forced_backend", name):
         yield
-    finally:
-        tuning.forced_backend = before
 
 
 def cache_file() -> Path:

@@ -341,19 +341,13 @@ def _probe_operand(rows: int, cols: int) -> torch.Tensor:
 def forced_chunks(library: ChunkLibrary) -> Iterator[None]:
     """Within this block, :func:`chunk_library` answers ``library`` (tests and benchmarks)."""
     _check(library, CHUNK_LIBRARIES, "chunk library")
-    before, tuning.forced_chunk_library = tuning.forced_chunk_library, library
-    try:
+    with tuning.forcing("forced_chunk_library", library):
         yield
-    finally:
-        tuning.forced_chunk_library = before
 
 
 @contextmanager
 def forced(path: GemmPath) -> Iterator[None]:
     """Within this block, :func:`gemm_path` answers ``path`` (tests and benchmarks)."""
     _check(path)
-    before, tuning.forced_gemm_path = tuning.forced_gemm_path, path
-    try:
+    with tuning.forcing("forced_gemm_path", path):
         yield
-    finally:
-        tuning.forced_gemm_path = before

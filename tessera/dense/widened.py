@@ -35,11 +35,8 @@ def native_bf16() -> bool:
 @contextmanager
 def forced_native(native: bool) -> Iterator[None]:
     """Within this block, :func:`native_bf16` answers ``native`` (tests)."""
-    before, tuning.forced_native_bf16 = tuning.forced_native_bf16, native
-    try:
+    with tuning.forcing("forced_native_bf16", native):
         yield
-    finally:
-        tuning.forced_native_bf16 = before
 
 
 def _widen(t: torch.Tensor) -> bool:

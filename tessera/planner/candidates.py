@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -97,8 +97,7 @@ class Context:
         self._memo["rows"] = rows
 
 
-@dataclass(frozen=True)
-class KindCost(Record):
+class KindCost(NamedTuple):
     """The terms of a candidate's modelled step time its kind decides (seconds)."""
 
     aggregate: float

@@ -29,7 +29,7 @@ import numpy as np
 
 from tessera.comm.wire import block_bytes, data_bytes, group_rows
 from tessera.errors import ConfigError
-from tessera.planner.records import Record, optional
+from tessera.planner.records import Record, field_sums, optional
 
 if TYPE_CHECKING:
     from tessera.planner.volume.partition import PartitionVolumes
@@ -218,12 +218,7 @@ def project(vol: PartitionVolumes, m: CommModel) -> dict[str, dict[int, Projecti
         for bits in per_mode.bits:
             layers = _exchanges(vol, mode, bits, m)
             ex = [d for la in layers for d in (la.forward, la.backward) if d is not None]
-            epoch = EpochTimes(
-                time_s=sum(d.time_s for d in ex),
-                comm_s=sum(d.comm_s for d in ex),
-                quant_s=sum(d.quant_s for d in ex),
-                pre_quant_s=sum(d.pre_quant_s for d in ex),
-            )
+            epoch = EpochTimes(**field_sums(ex, "time_s", "comm_s", "quant_s", "pre_quant_s"))
             rows = vol.rows[mode]
             busiest = int(np.argmax(rows.sum(axis=1))) if rows.size else 0
             active = max(int(np.count_nonzero(rows[busiest])), 1)

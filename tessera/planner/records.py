@@ -9,6 +9,7 @@ uses, such as a plan's cache key). JSON keys follow the fields' order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import field, fields, is_dataclass
 from typing import Any
 
@@ -24,6 +25,11 @@ def private() -> Any:
 def optional(default: Any = None) -> Any:
     """A field left out of the record's JSON while it is None."""
     return field(default=default, metadata={_OMIT_NONE: True})
+
+
+def field_sums(records: Sequence[object], *names: str) -> dict[str, Any]:
+    """The sum of each field ``names`` over ``records``, by name."""
+    return {name: sum(getattr(r, name) for r in records) for name in names}
 
 
 def as_json(value: Any) -> Any:

@@ -11,7 +11,7 @@ import torch
 
 from tessera import dense, sparse
 from tessera.memo import TensorMemo
-from tessera.nn.conv.base import LayerHints
+from tessera.nn.conv.base import Fusion, LayerHints
 from tessera.sparse import LayerSpec, Operand
 from tessera.sparse.rows import take_rows
 
@@ -127,6 +127,24 @@ def aggregates_output(lin: LinearMap, aggregate_first: bool | None = None) -> bo
     """Whether :func:`linear_then_aggregate` aggregates after the linear map: when the output is
     narrower, unless ``aggregate_first`` fixes the order."""
     return lin.out_features <= lin.in_features if aggregate_first is None else not aggregate_first
+
+
+def linear_fusion(
+    lin: LinearMap, aggregate_first: bool | None = None, output_mask: bool = True, reads_input_first: bool = True
+) -> Fusion:
+    """What a layer built on :func:`linear_then_aggregate` takes over from the model: its input
+    dropout, epilogue and target rows, and the S-SpMM side of the order it runs in (the output
+    mask only where ``output_mask`` allows). Its backward reads its input when it aggregates last
+    (the product by the weight saves it), and when it aggregates first if ``reads_input_first``."""
+    last = aggregates_output(lin, aggregate_first)
+    return Fusion(
+        input_dropout=True,
+        epilogue=True,
+        targets=True,
+        input_grad_mask=not last,
+        output_mask=last and output_mask,
+        reads_input=last or reads_input_first,
+    )
 
 
 def linear_spec(lin: LinearMap, aggregate_first: bool | None = None) -> LayerSpec:

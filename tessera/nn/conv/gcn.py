@@ -14,6 +14,7 @@ from tessera.nn.conv._util import (
     finish,
     glorot_,
     input_aggregate,
+    linear_fusion,
     linear_spec,
     linear_then_aggregate,
 )
@@ -78,15 +79,7 @@ class GCNConv(GraphConv):
 
     def fusion(self) -> Fusion:
         # aggregating first, the input goes only into the sum, whose fixed weights need nothing of it
-        last = aggregates_output(self.lin, self.aggregate_first)
-        return Fusion(
-            input_dropout=True,
-            epilogue=True,
-            targets=True,
-            input_grad_mask=not last,
-            output_mask=last,
-            reads_input=last,
-        )
+        return linear_fusion(self.lin, self.aggregate_first, reads_input_first=False)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}"

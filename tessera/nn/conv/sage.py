@@ -15,6 +15,7 @@ from tessera.nn.conv._util import (
     aggregates_output,
     finish,
     input_aggregate,
+    linear_fusion,
     linear_spec,
     linear_then_aggregate,
     target_aggregate,
@@ -109,14 +110,7 @@ class SAGEConv(GraphConv):
 
     def fusion(self) -> Fusion:
         """No output mask after ``normalize``, which mixes a row's entries."""
-        last = aggregates_output(self.lin_l, self.aggregate_first)
-        return Fusion(
-            input_dropout=True,
-            epilogue=True,
-            targets=True,
-            input_grad_mask=not last,
-            output_mask=last and not self.normalize,
-        )
+        return linear_fusion(self.lin_l, self.aggregate_first, output_mask=not self.normalize)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, aggr={self.aggr}"

@@ -29,7 +29,7 @@ from tessera.graph.partition import partition
 from tessera.graph.partition.halo import pair_rows
 from tessera.graph.partition.relation_halo import relation_pair_rows
 from tessera.parallel.halo_relational import exchange_bytes, transform_first_wins
-from tessera.planner.records import Record, optional, private
+from tessera.planner.records import Record, field_sums, optional, private
 from tessera.planner.volume.common import (
     DIRECTIONS,
     PLACEMENTS,
@@ -44,8 +44,8 @@ from tessera.sparse import LayerSpec
 
 # ---------------------------------------------------------------------------------------- records
 @dataclass(frozen=True)
-class DirectionVolume(Record):
-    """Totals of one exchange over all ranks, and of its busiest sender."""
+class ByteTotals(Record):
+    """Rows and bytes of exchanges summed over all ranks, and the busiest sender's bytes."""
 
     rows: int
     data_bytes: int
@@ -53,6 +53,12 @@ class DirectionVolume(Record):
     bytes: int
     max_rank_bytes: int
     max_rank: int
+
+
+@dataclass(frozen=True)
+class DirectionVolume(ByteTotals):
+    """Totals of one exchange over all ranks, and of its busiest sender."""
+
     active_pairs: int
 
 
@@ -69,16 +75,10 @@ class LayerVolume(Record):
 
 
 @dataclass(frozen=True)
-class EpochVolume(Record):
+class EpochVolume(ByteTotals):
     """A steady training epoch's exchanges summed; the busiest sender over the epoch; the bytes
     of an evaluation forward."""
 
-    rows: int
-    data_bytes: int
-    param_bytes: int
-    bytes: int
-    max_rank_bytes: int
-    max_rank: int
     eval_forward_bytes: int
 
 
@@ -268,10 +268,7 @@ def _bits_summary(exchanges: list[LayerExchange], bits: int, eval_first: bool = 
         layers.append(LayerVolume(i, width, fwd, bwd, placement))
     done = [d for la in layers for d in (la.forward, la.backward) if d is not None]
     epoch = EpochVolume(
-        rows=sum(d.rows for d in done),
-        data_bytes=sum(d.data_bytes for d in done),
-        param_bytes=sum(d.param_bytes for d in done),
-        bytes=sum(d.bytes for d in done),
+        **field_sums(done, "rows", "data_bytes", "param_bytes", "bytes"),
         max_rank_bytes=int(per_rank.max()) if per_rank.size else 0,
         max_rank=int(np.argmax(per_rank)) if per_rank.size else 0,
         eval_forward_bytes=eval_fwd,
