@@ -126,6 +126,8 @@ class TuningState:
     - ``forced_gemm_path``, ``forced_chunk_library``, ``forced_native_bf16``, ``forced_backend``:
       the answer that ``gemm_path.forced``, ``gemm_path.forced_chunks``, ``widened.forced_native``
       and ``select.forced`` set for their blocks (tests and benchmarks), else None.
+    - ``portable``: every step kernel runs the portable torch ops a GPU runs, on CPU tensors too
+      (``--backend torch``; :func:`tessera.kernels.placement.host_kernels`).
     - every :class:`PlanCache` and :class:`TensorMemo`, registered when made: plans per matrix, the
       aggregation backend decided per matrix (:mod:`tessera.backends.select`), the last answer
       about a gradient's live rows and the non-zeros found per feature tensor.
@@ -138,11 +140,12 @@ class TuningState:
         self.forced_chunk_library: str | None = None
         self.forced_native_bf16: bool | None = None
         self.forced_backend: str | None = None
+        self.portable = False
         self._memos: weakref.WeakSet[PlanCache | TensorMemo] = weakref.WeakSet()
 
     @contextmanager
     def forcing(self, name: str, value: object) -> Iterator[None]:
-        """Within this block, the forced answer ``name`` (one of the ``forced_*`` fields) is ``value``;
+        """Within this block, the forced answer ``name`` (``portable`` or a ``forced_*`` field) is ``value``;
         the answer before it comes back after, whatever the block did."""
         before = getattr(self, name)
         setattr(self, name, value)
@@ -163,6 +166,7 @@ class TuningState:
         self.chunk_libraries.clear()
         self.forced_gemm_path = self.forced_chunk_library = self.forced_backend = None
         self.forced_native_bf16 = None
+        self.portable = False
         for memo in list(self._memos):
             memo.clear()
 

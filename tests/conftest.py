@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tessera.memo import tuning
+# Triton kernels run in Triton's interpreter on CPU tensors where no GPU is present; triton reads
+# this when a kernel is defined, so it is set before any tessera module is imported.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tessera.memo import tuning  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

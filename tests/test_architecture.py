@@ -34,6 +34,7 @@ LAYER_OF_TOP = {
     "files": "base",
     "memo": "base",
     "threads": "base",
+    "devices": "base",
     "workspace": "base",
     "bfloat16": "base",
     "datasets": "graph",  # loaders by name: a graph-layer module kept at the top for `tessera.datasets.load`

@@ -6,11 +6,20 @@ from tessera.backends.cpu_csr import CSRBackend
 from tessera.backends.cpu_dense_block import DenseBlockBackend
 from tessera.backends.local import LocalOperand, local_operand
 from tessera.backends.reference import ReferenceBackend
+from tessera.backends.torch_native import TorchBackend
 from tessera.sparse.operand import register_local
 
 register_backend(ReferenceBackend())
 register_backend(CSRBackend())
 register_backend(DenseBlockBackend(remainder=get_backend("csr"), small=get_backend("reference")))
+register_backend(TorchBackend())
+try:  # triton is a test dependency: without it there is no triton backend
+    from tessera.backends.triton_csr import TritonBackend
+except ModuleNotFoundError as e:
+    if e.name != "triton":
+        raise
+else:
+    register_backend(TritonBackend())
 register_local(local_operand)
 
 __all__ = ["Backend", "LocalOperand", "available_backends", "get_backend", "local_operand", "register_backend"]

@@ -60,6 +60,9 @@ class Backend(ABC):
     keeps_entry_plan: ClassVar[bool] = False
     #: the dtypes of ``x`` this backend multiplies
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float64)
+    #: the device types on which ``auto`` considers this backend (None: every device it supports);
+    #: one that also runs elsewhere does so only when named (backends.select)
+    auto_devices: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self) -> None:
         self.plans = PlanCache()

@@ -120,6 +120,19 @@ def candidates(x: torch.Tensor) -> list[str]:
     return [name for name in available_backends() if get_backend(name).supports(x)]
 
 
+def auto_candidates(x: torch.Tensor) -> list[str]:
+    """The backends ``auto`` chooses among for this input: those able to run it that take part in
+    the choice on its device (:attr:`~tessera.backends.base.Backend.auto_devices`): one that runs
+    on the CPU only when named keeps the CPU's choices, and their trials, as they are."""
+    device = x.device.type
+
+    def takes_part(name: str) -> bool:
+        devices = get_backend(name).auto_devices
+        return devices is None or device in devices
+
+    return [n for n in candidates(x) if takes_part(n)]
+
+
 def model_cost(name: str, matrix: CSRStructure, width: int, weighted: bool, transposed: bool) -> float:
     """Cost-model estimate of one product on backend ``name`` (relative seconds)."""
     return float(get_backend(name).cost(matrix, width, transposed, weighted))
@@ -135,7 +148,7 @@ def choose(matrix: CSRStructure, x: torch.Tensor, weight: torch.Tensor | None, d
     width = int(torch.Size(x.shape[1:]).numel())
     heads = int(x.shape[1]) if x.dim() == 3 else 1
     key = decision_key(matrix, width, weight is not None, heads, direction, x.dtype)
-    names = candidates(x)
+    names = auto_candidates(x)
     if not names:
         raise ConfigError(f"no aggregation backend multiplies {x.dtype} {x.device.type} tensors")
     known = lookup(matrix, key, names)

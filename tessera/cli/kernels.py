@@ -56,7 +56,7 @@ def kernel_table(graph, widths: list[int], reduce: str = "sum", reps: int = 5) -
             # auto's decision from this very measurement when the problem is big enough for
             # auto to measure at all (else the cost model's pick), stored as a training run's
             # trial would store it.
-            trial = select.trial_candidates(graph, width, False, transposed, names)
+            trial = select.trial_candidates(graph, width, False, transposed, select.auto_candidates(x))
             key = select.decision_key(graph, width, False, 1, direction)
             if len(trial) > 1:
                 choice = select.record(graph, key, {k: seconds[k] for k in trial})

@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, help="random seed (default 0)")
     t.add_argument("--threads", type=int, help="CPU threads for torch and tessera kernels")
     t.add_argument("--backend", help="aggregation backend (default auto)")
+    t.add_argument(
+        "--device",
+        help="auto | cpu | cuda | cuda:N: where the graph, model and training step live "
+        "(default auto: this process's GPU when there is one, else the CPU)",
+    )
     t.add_argument("--feature-norm", help="auto | row | none (default auto: row-normalise non-negative features)")
     t.add_argument(
         "--out",
@@ -140,12 +145,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from tessera.comm.group import env_world_size
+    from tessera.devices import training_device
     from tessera.train.config import FIELDS, make_config, read_toml
     from tessera.train.loop import default_out_dir, train
     from tessera.train.setup import check_out_dir
 
     flags = {k: v for k, v in vars(args).items() if k in FIELDS}
     cfg = make_config(read_toml(args.config) if args.config else {}, flags)
+    # a device this machine lacks is refused before anything is loaded, launched or written
+    training_device(cfg.device, cfg.nprocs > 1 or env_world_size() > 1 or cfg.parts_dir is not None)
     check_out_dir(cfg.out or default_out_dir(cfg))
     if cfg.nprocs > 1 and env_world_size() <= 1:
         from tessera.cli.launch import launch

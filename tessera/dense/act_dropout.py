@@ -17,6 +17,7 @@ from tessera.kernels.dropout import (
     keep_threshold,
     run_hashed,
 )
+from tessera.kernels.placement import host_kernels
 
 # Rows per chunk of a backward that forms owed products: a few megabytes of them, kept in cache
 # between the product and the activation's gradient (the size tessera.dense.linear_act measured best)
@@ -76,7 +77,7 @@ def act_dropout(
     if act not in ACT_MODES:
         raise ValueError(f"unknown activation {act!r}; choose from {', '.join(ACTIVATIONS)}")
     p = p if training else 0.0
-    if not 0.0 <= p < 1.0 or keep_threshold(p) is None or x.device.type != "cpu" or x.dtype not in HASHED_DTYPES:
+    if not 0.0 <= p < 1.0 or keep_threshold(p) is None or not host_kernels(x) or x.dtype not in HASHED_DTYPES:
         y = torch.relu(x) if act == "relu" else torch.nn.functional.elu(x)
         return dropout(y, p, training, rows)
     # p == 0 keeps every element (threshold 0) and draws no seed, as dropout() draws none then

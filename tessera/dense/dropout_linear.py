@@ -22,6 +22,7 @@ from tessera.dense import chunk_gemm
 from tessera.dense.linear import linear
 from tessera.dense.sparse_features import feature_nonzeros, sparse_dropout_linear
 from tessera.kernels.dropout import DROP, draw_seed, dropout, keep_threshold, run_hashed
+from tessera.kernels.placement import host_kernels
 
 CHUNK_BYTES = 4 << 20
 
@@ -87,7 +88,7 @@ def dropout_linear(
         and 0.0 < p < 1.0
         and keep_threshold(p) is not None
         and not x.requires_grad
-        and x.device.type == "cpu"
+        and host_kernels(x)
         and x.dim() == 2
         and x.dtype == weight.dtype == torch.float32
         and (bias is None or bias.dtype == torch.float32)

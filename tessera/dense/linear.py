@@ -29,11 +29,12 @@ from tessera.dense import chunk_gemm, widened
 from tessera.dense.deferred import owe, owed_to
 from tessera.dense.gemm_path import gemm_path, kept_onednn_fits, onednn_add_, onednn_product
 from tessera.dense.liveness import live_rows
+from tessera.kernels.placement import host_kernels
 
 
 def _usable(*ts: torch.Tensor) -> bool:
     dt = ts[0].dtype
-    return dt in (torch.float32, BF16) and all(t.device.type == "cpu" and t.dtype == dt and t.dim() == 2 for t in ts)
+    return dt in (torch.float32, BF16) and host_kernels(*ts) and all(t.dtype == dt and t.dim() == 2 for t in ts)
 
 
 @overload

@@ -32,6 +32,7 @@ from tessera.dense.act_dropout import act_dropout
 from tessera.dense.deferred import Owed, accept, owed_rows, prepared
 from tessera.dense.linear import cast_like, linear, linear_add_
 from tessera.kernels.dropout import ACT_MODES, draw_seed, keep_threshold, run_hashed
+from tessera.kernels.placement import host_kernels
 
 # Rows per chunk, both ways: 4 MB of the output, the size that ran fastest among chunks of 1 to 8 MB
 # (docs/design/chunk-sizes.md).
@@ -61,7 +62,8 @@ def _fusable(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], ep: Ep
         0.0 <= ep.p < 1.0
         and keep_threshold(ep.p) is not None
         and dt in (torch.float32, BF16)
-        and all(t.device.type == "cpu" and t.dim() == 2 for t in [*xs, *weights])
+        and host_kernels(*xs, *weights)
+        and all(t.dim() == 2 for t in [*xs, *weights])
         and all(x.dtype == dt for x in xs)
         and all(w.dtype in (dt, torch.float32) for w in weights)
     )
@@ -71,7 +73,7 @@ def _positive(y: torch.Tensor) -> torch.Tensor:
     """``y > 0`` into a kept bool block; float32 on NumPy's comparison, which runs several times
     faster than torch's (docs/design/fused-layers.md)."""
     out = workspace.empty(y.shape, torch.bool)
-    if y.dtype == torch.float32 and y.device.type == "cpu" and y.is_contiguous():
+    if y.dtype == torch.float32 and host_kernels(y) and y.is_contiguous():
         np.greater(y.numpy(), np.float32(0.0), out=out.numpy())
         return out
     return torch.gt(y, 0.0, out=out)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tessera.bfloat16 import as_numpy
+from tessera.kernels.placement import host_kernels
 from tessera.memo import TensorMemo
 from tessera.threads import sync_numba_threads
 
@@ -46,7 +47,7 @@ def live_rows(x: torch.Tensor) -> np.ndarray | None:
     :data:`MAX_SHARE` hold a non-zero (or nan): a uint8 array marking those rows; else None.
     The answer for the last tensor asked about is kept while it is alive and unmodified (the
     backend chooser and the kernel ask about the same gradient)."""
-    if x.dim() != 2 or x.shape[0] < MIN_ROWS or x.device.type != "cpu" or not x.dtype.is_floating_point:
+    if x.dim() != 2 or x.shape[0] < MIN_ROWS or not host_kernels(x) or not x.dtype.is_floating_point:
         return None
     hit = _last.find(x)
     if hit is not None:

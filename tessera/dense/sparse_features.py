@@ -23,6 +23,7 @@ import torch
 from tessera import workspace
 from tessera.bfloat16 import BF16
 from tessera.kernels.dropout import draw_seed, element_kept, keep_threshold
+from tessera.kernels.placement import host_kernels
 from tessera.memo import TensorMemo
 from tessera.threads import sync_numba_threads
 
@@ -71,7 +72,7 @@ _memo: TensorMemo[SparseRows | None] = TensorMemo()
 def feature_nonzeros(x: torch.Tensor) -> SparseRows | None:
     """``x``'s non-zeros when it is a float32 or bfloat16 CPU matrix that needs no gradient and is
     at most :data:`MAX_DENSITY` non-zero, else None; found once per tensor and version."""
-    if x.requires_grad or x.dtype not in (torch.float32, BF16) or x.device.type != "cpu":
+    if x.requires_grad or x.dtype not in (torch.float32, BF16) or not host_kernels(x):
         return None
     if x.dim() != 2 or not x.numel():
         return None

@@ -124,6 +124,13 @@ class CSRStructure:
 
         return self._derived("transpose", make)
 
+    def on(self, device: torch.device) -> CSRStructure | DeviceCSR:
+        """This structure with its arrays on ``device``: itself on the CPU, where it is built;
+        elsewhere a :class:`DeviceCSR` kept with it, whose arrays are copied there once each."""
+        if device.type == "cpu":
+            return self
+        return self._derived(f"on {device}", lambda: DeviceCSR(self, device))
+
     def set_transpose(self, t: TransposedCSR) -> None:
         """Use ``t`` as :meth:`transpose` (one computed elsewhere, such as a copy shared between
         processes); it must be this matrix's column-major CSR."""
@@ -133,6 +140,62 @@ class CSRStructure:
                 f"not the transpose of this {self.num_rows} x {self.num_cols} CSR with {self.num_edges} entries"
             )
         self._structure["transpose"] = t
+
+
+class DeviceCSR:
+    """A host :class:`CSRStructure`'s arrays on another device (a GPU), each copied on first use
+    and kept: the host computes the structure (transposes, permutations), products on the device
+    read these copies, and no training step copies structure again."""
+
+    def __init__(self, host: CSRStructure, device: torch.device) -> None:
+        self.host, self.device = host, device
+        self.num_rows, self.num_cols = host.num_rows, host.num_cols
+        self._copies: dict[str, object] = {}
+
+    def _copy(self, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key not in self._copies:
+            self._copies[key] = make().to(self.device)
+        return self._copies[key]  # type: ignore[return-value]
+
+    @property
+    def num_edges(self) -> int:
+        """Number of stored entries (edges)."""
+        return self.host.num_edges
+
+    @property
+    def indptr(self) -> torch.Tensor:
+        """Row pointers on the device."""
+        return self._copy("indptr", lambda: self.host.indptr)
+
+    @property
+    def indices(self) -> torch.Tensor:
+        """Column of every entry on the device, in CSR order."""
+        return self._copy("indices", lambda: self.host.indices)
+
+    def dst_index(self) -> torch.Tensor:
+        """The row of every entry (int64) on the device."""
+        return self._copy("dst", self.host.dst_index)
+
+    def src_index(self) -> torch.Tensor:
+        """The column of every entry (int64) on the device."""
+        return self._copy("src", self.host.src_index)
+
+    def in_degree(self) -> torch.Tensor:
+        """Entries per row (int64) on the device."""
+        return self._copy("indeg", self.host.in_degree)
+
+    def transpose(self, with_perm: bool = False) -> TransposedCSR:
+        """The host's column-major CSR (:meth:`CSRStructure.transpose`) on the device; its ``perm``
+        is copied when first read."""
+        if "transpose" not in self._copies:
+            t = self.host.transpose(with_perm)
+            mirror = t.indptr is self.host.indptr and t.indices is self.host.indices  # a symmetric matrix's own
+            self._copies["transpose"] = TransposedCSR(
+                self.indptr if mirror else t.indptr.to(self.device),
+                self.indices if mirror else t.indices.to(self.device),
+                lambda: self.host.transpose(with_perm=True).perm.to(self.device),
+            )
+        return self._copies["transpose"]  # type: ignore[return-value]
 
 
 def _mirror_perm(indptr: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ Cora, one call can take longer than a whole PyG epoch: docs/design/dropout-hash.
 Hashing the element index instead is branch-free, vectorises with AVX-512, gives the same mask
 for any thread count, and lets backward recompute the mask from the seed rather than store it.
 The seed is drawn from torch's default generator, so ``torch.manual_seed`` governs it.
+Tensors off the CPU draw the same masks through torch's integer ops (:mod:`tessera.kernels.dropout_torch`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,26 @@ import torch
 
 from tessera import workspace
 from tessera.bfloat16 import BF16, as_numpy, narrow, widen
+from tessera.kernels.dropout_torch import (
+    _BLOCK,
+    _ELU_DROP,
+    _ELU_DROP_GRAD,
+    _MASK,
+    _RELU_DROP,
+    _RELU_DROP_GRAD,
+    DROP,
+    DROP_IN_PLACE,
+    ELEMENT_MUL,
+    hashed_width,
+    keep_threshold,
+    run_hashed_torch,
+)
 from tessera.kernels.hashing import hash32, index_hash
+from tessera.kernels.placement import host_kernels
 from tessera.kernels.vector_math import expm1
 from tessera.threads import sync_numba_threads
 
-_BLOCK = 1 << 14
-
-
-_element_hash = index_hash(0x9E3779B9)
+_element_hash = index_hash(ELEMENT_MUL)
 
 
 @numba.njit(inline="always")
@@ -41,17 +54,6 @@ def element_kept(g, seed_lo, seed_hi, threshold):
     """Whether the element of global index ``g`` is kept: the test :func:`_hashed` makes, for one
     element (kernels that visit only some elements, such as a sparse matrix's non-zeros)."""
     return _element_hash(g, block_key(seed_lo, seed_hi, (g // _BLOCK) * _BLOCK)) >= threshold
-
-
-# What the kernel writes per element, given its input a, the saved forward output y (backward
-# only) and whether its hash keeps it.
-DROP = 0  # a * scale if kept else 0
-_MASK = 1  # the keep flag itself
-_RELU_DROP = 2  # relu(a) * scale if kept else 0
-_ELU_DROP = 3  # elu(a) * scale if kept else 0
-_RELU_DROP_GRAD = 4  # a * scale where y > 0, else 0: y is zero where dropped, so no hash needed
-_ELU_DROP_GRAD = 5  # kept: a * scale where y > 0, else a * (y + scale), as elu'(x) = elu(x) + 1 there
-DROP_IN_PLACE = 6  # out itself * scale if kept else 0 (DROP with src = out, which would not vectorise)
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -117,12 +119,6 @@ def _hashed(src, aux, out, rows, has_rows, width, mode, seed_lo, seed_hi, thresh
             c = stop
 
 
-def keep_threshold(p: float) -> np.uint32 | None:
-    """An element is kept when its 32-bit hash is at least this; None when ``p`` rounds to dropping all."""
-    t = int(round(p * 2**32))
-    return None if t >= 2**32 else np.uint32(t)
-
-
 _NO_ROWS = np.zeros(1, np.int64)
 #: dtypes the hashed kernels run on (bfloat16 stored, computed in float32)
 HASHED_DTYPES = (torch.float32, torch.float64, BF16)
@@ -132,16 +128,14 @@ def run_hashed(
     src: torch.Tensor, out: torch.Tensor, seed: int, p: float, rows: torch.Tensor | None, mode: int,
     aux: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Fill ``out`` (``src``'s shape; bool for ``_MASK``) by ``mode`` for drop probability ``p`` < 1."""
+    """Fill ``out`` (``src``'s shape; bool for ``_MASK``) by ``mode`` for drop probability ``p`` < 1:
+    by the numba kernel on the CPU, by :func:`run_hashed_torch` (the same values) elsewhere and
+    under the portable kernels (:func:`~tessera.kernels.placement.host_kernels`)."""
+    if not host_kernels(out):
+        return run_hashed_torch(src, out, seed, p, rows, mode, aux)
     sync_numba_threads()
     masking = mode == _MASK
-    if mode == DROP_IN_PLACE and not out.is_contiguous():
-        raise ValueError("dropout in place needs a contiguous tensor")
-    width = _BLOCK
-    if rows is not None:
-        if rows.numel() != out.shape[0]:
-            raise ValueError(f"rows has {rows.numel()} ids for {out.shape[0]} rows")
-        width = max(1, out[0].numel()) if out.shape[0] else 1
+    width = hashed_width(out, rows, mode)
     flat = out.view(torch.uint8) if masking else out
     scale = 1.0 / (1.0 - p)
     flat_out = as_numpy(flat.reshape(-1))
@@ -197,7 +191,7 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, rows: torch.
         if p == 1.0:
             return x * 0.0
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    if x.device.type != "cpu" or x.dtype not in HASHED_DTYPES:
+    if x.dtype not in HASHED_DTYPES:
         return torch.nn.functional.dropout(x, p, training)
     return _Dropout.apply(x, p, draw_seed(), rows)
 
@@ -206,11 +200,16 @@ ACT_MODES = {"relu": (_RELU_DROP, _RELU_DROP_GRAD), "elu": (_ELU_DROP, _ELU_DROP
 ACTIVATIONS = tuple(ACT_MODES)
 
 
-def dropout_mask(shape: tuple[int, ...], p: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+def dropout_mask(
+    shape: tuple[int, ...], p: float, rows: torch.Tensor | None = None, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The keep mask (bool) that :func:`dropout` would draw for a tensor of ``shape`` (with the
-    same ``rows``) and drop probability ``p``, from the same generator state."""
+    same ``rows``) and drop probability ``p``, from the same generator state; on ``device``
+    (default: ``rows``'s device, else the CPU)."""
     seed = draw_seed()
-    out = torch.empty(shape, dtype=torch.bool)
+    if device is None:
+        device = "cpu" if rows is None else rows.device
+    out = torch.empty(shape, dtype=torch.bool, device=device)
     if keep_threshold(p) is None:
         return out.fill_(False)
     run_hashed(out, out, seed, p, rows, _MASK)

@@ -105,7 +105,11 @@ class GNN(nn.Module):
                 assert keep is not None  # drawn by the step before
                 x = dropout_with_mask(x, keep, self.dropout)
             grad_mask = x != 0 if step.input_grad_mask and x.requires_grad else None
-            keep = dropout_mask((x.shape[0], step.out_width), self.dropout, rows) if step.draws_output_mask else None
+            keep = (
+                dropout_mask((x.shape[0], step.out_width), self.dropout, rows, x.device)
+                if step.draws_output_mask
+                else None
+            )
             hints = LayerHints(
                 input_grad_mask=grad_mask,
                 output_mask=keep,

@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 from tessera.bfloat16 import compute_dtype
 from tessera.graph.csr import CSRStructure
 from tessera.kernels.dropout import DROP_IN_PLACE, draw_seed, dropout, keep_threshold, run_hashed, seeded_dropout
+from tessera.kernels.placement import host_kernels
 from tessera.sparse.aggregate import aggregate
 from tessera.sparse.attention_kernels import check_terms, gat_attention, gat_attention_backward, gat_attention_forward
 from tessera.sparse.operand import Operand
@@ -80,7 +81,7 @@ def attend(
         raise ValueError(f"h has {h.shape[0]} rows but the operand has {operand.num_cols} source vertices")
     fused = (
         a_src.dim() == 2
-        and a_src.device.type == "cpu"
+        and host_kernels(a_src)
         # bfloat16 features take float32 attention (weights, scores and their gradients)
         and a_src.dtype == a_dst.dtype == compute_dtype(h.dtype)
         and h.dtype in (torch.float32, torch.float64, torch.bfloat16)

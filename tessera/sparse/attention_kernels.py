@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from tessera import workspace
 from tessera.graph.csr import CSRStructure, rows_of
+from tessera.kernels.placement import host_kernels
 from tessera.kernels.vector_math import exp
 from tessera.memo import PlanCache
 from tessera.sparse.attention import edge_score, edge_softmax
@@ -367,7 +368,7 @@ def gat_attention(
     """``alpha[e, h]``: softmax over row ``i``'s in-edges of ``leaky_relu(a_src[j, h] + a_dst[i, h])``, ``(E, H)``."""
     check_terms(graph, a_src, a_dst)
     dtype = torch.promote_types(a_src.dtype, a_dst.dtype)
-    if a_src.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+    if not host_kernels(a_src) or dtype not in (torch.float32, torch.float64):
         return edge_softmax(graph, F.leaky_relu(edge_score(graph, a_src, a_dst), negative_slope))
     flat = a_src.dim() == 1
     a_src, a_dst = ((a.unsqueeze(1) if flat else a).to(dtype).contiguous() for a in (a_src, a_dst))

@@ -37,14 +37,15 @@ the per-step GEMMs several times slower. Figures: ``docs/design/sage-lstm.md``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
-from tessera.sparse.lstm_kernels import cell_backward, cell_output, cell_state
+from tessera.kernels.placement import host_kernels
+from tessera.sparse import lstm_kernels as kernels
 from tessera.threads import flush_denormals, torch_threads
 
 IMPLS = ("auto", "reference", "packed", "hoisted")
@@ -68,6 +69,15 @@ class SequencePlan:
     steps: torch.Tensor
     indptr: torch.Tensor
     sources: torch.Tensor
+    _copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def on(self, device: torch.device) -> SequencePlan:
+        """This plan with its index tensors on ``device`` (itself on the CPU), copied there once."""
+        if device.type == "cpu":
+            return self
+        if device not in self._copies:
+            self._copies[device] = replace(self, order=self.order.to(device), steps=self.steps.to(device), _copies={})
+        return self._copies[device]
 
 
 def sequence_plan(edges: CSRStructure, source_ids: torch.Tensor | None = None) -> SequencePlan:
@@ -125,6 +135,7 @@ def lstm_aggregate(
         raise ValueError(
             f"LSTM weights {tuple(weight_ih.shape)}, {tuple(weight_hh.shape)} do not fit input width {x.shape[1]}"
         )
+    plan = plan.on(x.device)
     run = {"reference": _reference, "packed": _packed}.get(impl, _hoisted)  # auto: measured, see module docstring
     h = run(plan, x, weight_ih, weight_hh, bias_ih, bias_hh)
     return x.new_zeros(plan.num_rows, hidden).index_copy(0, plan.order, h)
@@ -162,7 +173,7 @@ def _hoisted(plan, x, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
         return x.new_zeros(0, hidden)
     perm = torch.cat(
         [torch.arange(2 * hidden), torch.arange(3 * hidden, 4 * hidden), torch.arange(2 * hidden, 3 * hidden)]
-    )
+    ).to(x.device)
     proj = x @ w_ih[perm].t()
     if b_ih is not None:
         proj = proj + (b_ih + b_hh)[perm]
@@ -199,7 +210,12 @@ class _Recurrence(torch.autograd.Function):
         out = proj.new_empty(rows, hid)
         tc = proj.new_empty(rows, hid)
         w_t = w_hh.t()
-        g_np, cs_np, tc_np, hs_np, out_np = (a.numpy() for a in (gates, cs, tc, hs, out))
+        if host_kernels(proj):  # numba's cell kernels over NumPy views
+            cell_state, cell_output = kernels.cell_state, kernels.cell_output
+            g_np, cs_np, tc_np, hs_np, out_np = (a.numpy() for a in (gates, cs, tc, hs, out))
+        else:
+            cell_state, cell_output = kernels.cell_state_torch, kernels.cell_output_torch
+            g_np, cs_np, tc_np, hs_np, out_np = gates, cs, tc, hs, out
         with torch_threads(_STEP_THREADS):
             for t, (b, nb) in enumerate(_steps(plan.batch)):
                 g = gates[ptr[t] : ptr[t] + b]
@@ -222,7 +238,11 @@ class _Recurrence(torch.autograd.Function):
         dout = dout.contiguous()
         dgates = torch.empty_like(gates)
         dh, dc, tc = (gates.new_empty(rows, hid) for _ in range(3))
-        arrays = [a.numpy() for a in (gates, cs, tc, dgates, dh, dc, dout)]
+        arrays = [gates, cs, tc, dgates, dh, dc, dout]
+        if host_kernels(gates):
+            cell_backward, arrays = kernels.cell_backward, [a.numpy() for a in arrays]
+        else:
+            cell_backward = kernels.cell_backward_torch
         with torch_threads(_STEP_THREADS):
             for t, (b, nb) in reversed(list(enumerate(_steps(plan.batch)))):
                 torch.tanh(cs[ptr[t] : ptr[t] + b], out=tc[:b])

@@ -100,7 +100,7 @@ def dropout_aggregate(
         return aggregate(a, x, reduce, weight)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    keep = dropout_mask((a.num_rows, *x.shape[1:]), p, rows)
+    keep = dropout_mask((a.num_rows, *x.shape[1:]), p, rows, x.device)
     return masked_aggregate(a, x, keep, reduce, weight, 1.0 / (1.0 - p))
 
 

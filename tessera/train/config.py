@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tessera.devices import check_device_setting
 from tessera.errors import ConfigError
 from tessera.parallel.mixed import parse_strategy
 from tessera.relational.plan import split_variant
@@ -39,6 +40,7 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     backend: str = "auto"
+    device: str = "auto"
     feature_norm: str = "auto"
     out: str | None = None
     resume: bool = False
@@ -106,6 +108,7 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        check_device_setting(self.device)
         check_precision(self)
         split_variant(self.rgcn_variant)  # a gTask restriction that does not parse fails here
         parse_strategy(self.strategy, self.layers)  # auto, one entry, or one per layer

@@ -10,6 +10,7 @@ import resource
 import statistics
 import sys
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,11 @@ from tessera import workspace
 from tessera.comm.accounting import add_epoch
 from tessera.comm.group import Comm, env_world_size, single_process
 from tessera.dense import gemm_path
+from tessera.devices import training_device
 from tessera.errors import ConfigError, DistributedError, TesseraError
 from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
+from tessera.memo import tuning
 from tessera.nn.loss import cross_entropy_rows
 from tessera.threads import set_num_threads
 from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
@@ -87,7 +90,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, graph: Graph | dict[str, Any], comm: Comm | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.comm = comm or single_process()
+        distributed = comm is not None and comm.world > 1 or not isinstance(graph, Graph)
+        self.device = training_device(cfg.device, distributed)
+        self.comm = comm or single_process(self.device)
         self.is_main = self.comm.rank == 0
         if cfg.threads:
             set_num_threads(cfg.threads)
@@ -96,14 +101,21 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
         self._resume = self._read_checkpoint()
-        run = prepare(cfg, graph, self.comm, None if self._resume is None else (self.out / CHECKPOINT, self._resume))
+        with self.kernels():
+            run = prepare(
+                cfg, graph, self.comm, None if self._resume is None else (self.out / CHECKPOINT, self._resume)
+            )
         self.model, self.operands, self.order, self.counts = run.model, run.operands, run.order, run.counts
         shard = run.shard
-        self.x, self.y, self.global_ids = run.x, shard.y, shard.ids
+        # set-up ran on the CPU; the model and the step's tensors now move to the run's device once
+        # (an operand's structure is copied there by its backend on the first product)
+        self.model.to(self.device)
+        self.x, self.y, self.global_ids = run.x.to(self.device), shard.y.to(self.device), shard.ids
         # Random draws are keyed by global vertex id; rows in their own order need no ids.
         identity = shard.ids.numel() == shard.num_nodes and torch.equal(shard.ids, torch.arange(shard.num_nodes))
-        self.row_ids = None if identity else shard.ids
-        self.idx = {k: m.nonzero().view(-1) for k, m in shard.masks.items()}
+        self.row_ids = None if identity else shard.ids.to(self.device)
+        self._train_cpu = shard.masks["train"].nonzero().view(-1)  # the label-propagation draw is taken on the CPU
+        self.idx = {k: m.nonzero().view(-1).to(self.device) for k, m in shard.masks.items()}
         self.info = (shard.name, shard.num_nodes, shard.num_edges)
         self._fingerprint = shard.fingerprint
         self.strategy, self.log, self.plan = run.strategy, run.strategy.log, run.plan
@@ -114,12 +126,21 @@ class Trainer:
         self.bad_epochs = 0
         self.history: list[dict[str, Any]] = []
 
+    def kernels(self) -> AbstractContextManager[None]:
+        """The run's kernels for the block: with ``--backend torch`` every kernel of the step is the
+        portable torch op a GPU runs, on the CPU too (:mod:`tessera.kernels.placement`)."""
+        return tuning.forcing("portable", self.cfg.backend == "torch")
+
     def fingerprint(self) -> str:
         """Fingerprint of the graph as the caller numbered it (what checkpoints are tied to)."""
         return self._fingerprint
 
     def train_step(self) -> float:
         """Forward, loss on the train split, backward, Adam step; returns the loss."""
+        with self.kernels():
+            return self._train_step()
+
+    def _train_step(self) -> float:
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         tr, rows, n_loss = self.idx["train"], None, self.counts["train"]
@@ -128,7 +149,8 @@ class Trainer:
             # and only the other training vertices enter the loss. The draw is over global vertex
             # ids, so it does not depend on how the graph is partitioned.
             gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.epoch)
-            chosen = torch.rand(self.info[1], generator=gen)[self.global_ids[tr]] < self.cfg.label_prop
+            chosen = torch.rand(self.info[1], generator=gen)[self.global_ids[self._train_cpu]] < self.cfg.label_prop
+            chosen = chosen.to(self.device)
             rows, tr = tr[chosen], tr[~chosen]
             n_loss = int(self.comm.all_reduce_sum(torch.tensor([tr.numel()]))[0])
         if self.log is not None:
@@ -149,9 +171,12 @@ class Trainer:
         self.opt.step()
         return float(self.comm.all_reduce_sum(loss.detach().clone()))
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Accuracy on each split and the validation loss, in eval mode (no dropout), over all ranks."""
+        with self.kernels(), torch.no_grad():
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         self.model.eval()
         if self.log is not None:
             self.log.start_forward("eval")
@@ -166,11 +191,14 @@ class Trainer:
         res["val_loss"] = float(tot[3] / max(self.counts["val"], 1))
         return res
 
-    @torch.no_grad()
     def predict(self) -> torch.Tensor:
         """Logits of every vertex with the current weights (eval mode), rows in the caller's vertex
         order (on a rank of a distributed run: its owned vertices, ``global_ids``); float32 under
         ``--precision bf16`` too."""
+        with self.kernels(), torch.no_grad():
+            return self._predict()
+
+    def _predict(self) -> torch.Tensor:
         self.model.eval()
         rows = self.idx["train"] if self.cfg.label_prop > 0 else None
         logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids).float()

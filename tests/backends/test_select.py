@@ -157,10 +157,13 @@ def test_kernels_command_choice_is_the_fastest_it_measured_and_is_stored(cache, 
     rows = json.loads(capsys.readouterr().out)["rows"]
     stored = json.loads(cache.read_text())
     g = generate("tiny", seed=0)
+    auto = select.auto_candidates(torch.empty(0, 8))  # every backend is measured; auto picks among these
     for r in rows:
-        assert r["choice"] == select.pick(r["seconds"]), r
+        trial = {k: v for k, v in r["seconds"].items() if k in auto}
+        assert set(r["seconds"]) > set(trial) == set(auto)
+        assert r["choice"] == select.pick(trial), r
         key = select.decision_key(g, r["width"], False, 1, r["direction"])
-        assert stored[key]["choice"] == r["choice"] and stored[key]["seconds"] == r["seconds"]
+        assert stored[key]["choice"] == r["choice"] and stored[key]["seconds"] == trial
 
 
 @pytest.mark.parametrize("argv", [["--width", "0"], ["--width", "a,b"], ["--reduce", "max"], ["--reps", "0"]])
@@ -177,7 +180,8 @@ def test_cora_accuracy_does_not_depend_on_the_backend(planetoid_root, cache, mon
     monkeypatch.setenv("TESSERA_DATA", str(planetoid_root.parent))
     monkeypatch.setattr(select, "_TRIAL_MIN_WORK", 0)  # auto measures even on Cora
     acc = {}
-    for backend in ["auto", *available_backends()]:
+    # the Triton backend runs interpreted on the CPU (too slow for 200 epochs): test_triton.py covers it
+    for backend in ["auto", *(n for n in available_backends() if n != "triton")]:
         cfg = TrainConfig(
             dataset="cora", epochs=200, seed=0, backend=backend, out=str(tmp_path / backend), progress=False
         )
