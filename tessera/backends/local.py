@@ -15,12 +15,13 @@ from tessera.digest import digest
 from tessera.errors import ConfigError
 from tessera.graph import Graph
 from tessera.graph.csr import CSRMatrix, CSRStructure, select_rows
-from tessera.graph.relations import edge_types
-from tessera.memo import PlanCache
+from tessera.graph.relations import require_types
+from tessera.memo import PlanCache, TensorMemo
 from tessera.relational.operand import RelationalOperand
 from tessera.relational.plan import Relations
 
 _derived = PlanCache()  # per graph: the normalised / self-looped graphs its variants multiply with
+_row_keys: TensorMemo[tuple[str, str]] = TensorMemo()  # a tensor of row ids' digest
 
 
 class LocalOperand(RelationalOperand):
@@ -47,9 +48,11 @@ class LocalOperand(RelationalOperand):
         if self._row_vertices is not None:
             return None
         m = self.matrix
-        # the same ids every step (a training split): the rows' CSR is cut once per graph and ids
-        sub, positions = _derived.get(m, ("rows", digest("rows", [ids])), lambda: _select(m, ids))
-        values = None if self.values is None else self.values[positions]
+        # The same ids every step (a training split): their digest is taken once per tensor, and the
+        # rows' CSR cut once per graph and ids, on the host (ids on a device are read back then).
+        key = _row_keys.get(ids, lambda: ("rows", digest("rows", [ids.cpu()])))
+        sub, positions = _derived.get(m, key, lambda: _select(m, ids.cpu()))
+        values = None if self.values is None else self.values[positions.to(self.values.device)]
         return LocalOperand(sub, self.backend, values, ids)
 
     @property
@@ -97,7 +100,7 @@ class LocalOperand(RelationalOperand):
 
     def relations(self) -> Relations:
         backend = self.backend
-        edge_types(self.matrix)  # a GraphError on an untyped graph, before any structure is built
+        require_types(self.matrix)  # a GraphError on an untyped graph, before any structure is built
         return Relations(
             self.matrix, lambda m, values: LocalOperand(m, backend, values), ("local", backend), choose_variant
         )

@@ -253,11 +253,13 @@ def measure(
     # The inputs themselves, not detached copies: a backend treats a weight that requires grad
     # as changing every step, as it will in training, and keeps nothing derived from it.
     calls = {}
+    # a GPU runs kernels asynchronously: a call is timed to its kernels' end, not its launches'
+    wait = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     with torch.no_grad(), workspace.transient():
         for name in names:
             b = get_backend(name)
             fn = b.spmm_t if transposed else b.spmm
-            calls[name] = lambda fn=fn: fn(matrix, x, weight)
+            calls[name] = lambda fn=fn: (fn(matrix, x, weight), wait())
             calls[name]()
         times: dict[str, list[float]] = {name: [] for name in names}
         racing, spent = list(names), 0.0

@@ -51,14 +51,20 @@ class RelationEdges:
     ptr: torch.Tensor
 
 
-def edge_types(graph: CSRStructure) -> tuple[np.ndarray, int]:
-    """The relation of every edge (int64, CSR order) and the relation count; GraphError when untyped."""
+def require_types(graph: CSRStructure) -> torch.Tensor:
+    """The relation of every edge (CSR order); GraphError when the graph is untyped."""
     t = graph.edge_type if isinstance(graph, (Graph, CSRMatrix)) else None
     if t is None:
         raise GraphError(
             f"{graph!r} has no edge types: relational layers (RGCN) need a typed graph "
             "(a 'src rel dst' edge list, N-Triples, PyG data with edge_type, or synthetic:<preset>-rel)"
         )
+    return t
+
+
+def edge_types(graph: CSRStructure) -> tuple[np.ndarray, int]:
+    """The relation of every edge (int64, CSR order) and the relation count; GraphError when untyped."""
+    t = require_types(graph)
     assert graph.num_relations is not None  # set with edge_type
     return t.numpy(), int(graph.num_relations)
 

@@ -206,7 +206,9 @@ def prepare(
             assert isinstance(original, Graph)
             shard.ids, shard.fingerprint = renumbered.ids_to_original(shard.ids), original.fingerprint()
     else:
-        method = resolve(source, cfg.reorder, [s.aggregate_width for s in specs], cfg.backend)
+        # auto times the CPU's kernels: a run on another device keeps the caller's order unless asked
+        setting = cfg.reorder if comm.device.type == "cpu" or cfg.reorder != "auto" else "none"
+        method = resolve(source, setting, [s.aggregate_width for s in specs], cfg.backend)
         if method != "none":
             order = VertexOrder.of(source, method, max(s.aggregate_width for s in specs))
         shard = strategy.shard(source if order is None else order.permute(source))

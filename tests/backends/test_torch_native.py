@@ -327,3 +327,30 @@ def test_training_with_backend_torch_equals_the_default_path(dataset, model, pre
     # SAGE-LSTM aggregates by its LSTM over each vertex's sequence: no backend product
     assert (calls["spmm"] > 0) == (model != "sage-lstm")
     assert calls["dropout"] > 0 and (calls["lstm"] > 0) == (model == "sage-lstm")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_steady_portable_step_reads_nothing_through_numpy(model, tmp_path, monkeypatch):
+    """On a GPU every ``.numpy()`` in a step is a host round trip (or an error): once the first step
+    has made the host's structures (transposes, row selections, sequence plans), a portable step
+    and evaluation call none. (Label propagation draws new training rows every step, whose
+    structure is cut on the host: docs/devices.md.)"""
+    from tessera.datasets import load
+    from tessera.train.config import TrainConfig
+    from tessera.train.loop import Trainer
+
+    name = "synthetic:small-rel" if model == "rgcn" else "synthetic:small"
+    cfg = TrainConfig(
+        dataset=name, model=model, hidden=16, heads=2, epochs=3, backend="torch",
+        progress=False, out=str(tmp_path), checkpoint_every=1000,
+    )  # fmt: skip
+    t = Trainer(cfg.validate(), load(name))
+    t.train_step()
+    t.evaluate()
+
+    def refuse(self, *a, **k):
+        raise AssertionError(f"a steady step read a {tuple(self.shape)} tensor through NumPy")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    t.train_step()
+    t.evaluate()

@@ -29,8 +29,9 @@ EPOCHS = 10
 WORLDS = (2, 3)
 
 
-def _config(dataset, model, mode, out, strategy="partition", reorder="auto"):
+def _config(dataset, model, mode, out, strategy="partition", reorder="auto", backend="auto"):
     return TrainConfig(
+        backend=backend,
         reorder=reorder,
         strategy=strategy,
         dataset=dataset,
@@ -53,6 +54,8 @@ def _config(dataset, model, mode, out, strategy="partition", reorder="auto"):
 RUNS = [("partition", m, mode) for m in MODELS for mode in MODES] + [("tensor", m, "") for m in TENSOR_MODELS]
 # Distributed runs renumber the whole graph (--reorder) before splitting it: same training.
 REORDERED = [("partition", "gcn", "rcm"), ("partition", "sage", "metis"), ("tensor", "gcn", "degree")]
+# The portable kernels (--backend torch, the code a GPU runs) under both strategies: same training.
+PORTABLE = [("partition", "gcn"), ("tensor", "gin")]
 # A graph with edge weights, which GCN's normalisation multiplies by: the halo's A, S and R carry them.
 WEIGHTED = "synthetic:small"
 
@@ -72,7 +75,7 @@ def _worker(rank, world, port, datasets, out_dir):
     # when numba's pool starts, and ranks spinning two OpenMP threads each on 2 cores crawl.
     set_num_threads(1)
     comm = init_from_env(120)
-    results = {"partition": {}, "tensor": {}, "weighted": {}, "reordered": {}}
+    results = {"partition": {}, "tensor": {}, "weighted": {}, "reordered": {}, "portable": {}}
     try:
         for ds, root in datasets:
             if root:
@@ -102,6 +105,14 @@ def _worker(rank, world, port, datasets, out_dir):
                 "loss": [h["train_loss"] for h in t.history],
                 "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
                 "rows_in_id_order": bool((t.global_ids.diff() > 0).all()),
+            }
+        for strategy, model in PORTABLE:
+            out = Path(out_dir) / f"{world}-{strategy}-{model}-portable"
+            t = Trainer(_config("synthetic:small", model, "prepost", out, strategy, backend="torch"), g, comm)
+            t.fit()
+            results["portable"][f"{strategy}|{model}"] = {
+                "loss": [h["train_loss"] for h in t.history],
+                "params": {k: v.tolist() for k, v in t.model.state_dict().items()},
             }
         g = _weighted_graph()
         for mode in MODES:
@@ -169,6 +180,10 @@ def test_partition_parallel_matches_single_process(world, group_runs, datasets, 
         strategy, model, reorder = key.split("|")
         assert not res["rows_in_id_order"], key  # the rank's rows follow the new numbering
         _assert_matches(res, single_process[f"{strategy}|synthetic:small|{model}"], key)
+    assert len(group_runs[world]["portable"]) == len(PORTABLE)
+    for key, res in group_runs[world]["portable"].items():
+        strategy, model = key.split("|")
+        _assert_matches(res, single_process[f"{strategy}|synthetic:small|{model}"], f"--backend torch {key}")
     assert sorted(group_runs[world]["weighted"]) == sorted(MODES)
     for mode, res in group_runs[world]["weighted"].items():
         _assert_matches(res, single_process["weighted"], f"weighted GCN, {mode}")

@@ -85,7 +85,7 @@ class GATConv(GraphConv):
         # Attention, its dropout and the weighted sum as one node (sparse.attend): O(E x heads)
         # memory, no E x F tensor, at most two E x heads tensors alive.
         p = self.dropout if self.training else 0.0
-        keys = _edge_keys(a, edges, hints, n) if p > 0.0 else None
+        keys = _edge_keys(a, edges, hints, n, h.device) if p > 0.0 else None
         out = sparse.attend(a, edges, a_src, a_dst, h_src, self.negative_slope, p, keys)
         if not self.concat and heads == 1:  # the mean of one head is that head: a view, no N x F copy
             return add_bias_(out, self.bias).squeeze(1)
@@ -107,13 +107,15 @@ class GATConv(GraphConv):
         return f"{self.in_channels}, {self.out_channels}, heads={self.heads}"
 
 
-def _edge_keys(a, edges, hints: LayerHints | None, n: int) -> torch.Tensor:
-    """Global edge keys for attention dropout, made once per (edges, rows) pair."""
+def _edge_keys(a, edges, hints: LayerHints | None, n: int, device: torch.device) -> torch.Tensor:
+    """Global edge keys for attention dropout, made once per (edges, rows) pair: on the host, where
+    the edge structure is, and kept on ``device``."""
     rows = hints.rows if hints is not None else None
     entries = _keys.entries(edges)
     hit = entries.get("keys")
     if hit is not None and hit[0] is rows:
         return hit[1]
-    keys = sparse.edge_keys(edges, *a.edge_ids(torch.arange(n) if rows is None else rows))
+    ids = a.edge_ids(torch.arange(n) if rows is None else rows.cpu())
+    keys = sparse.edge_keys(edges, *ids).to(device)
     entries["keys"] = (rows, keys)
     return keys

@@ -90,7 +90,7 @@ class SAGELSTMConv(GraphConv):
         cached = self._plan_cache
         if cached is not None and cached[0] is edges and cached[1] is rows:
             return cached[2]
-        _, ids = a.edge_ids(torch.arange(n) if rows is None else rows)
+        _, ids = a.edge_ids(torch.arange(n) if rows is None else rows.cpu())  # the plan is made on the host
         plan = sparse.sequence_plan(edges, ids)
         self._plan_cache = (edges, rows, plan)
         return plan
