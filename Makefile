@@ -3,6 +3,9 @@
 # first (torch 2.13.0 + tessera + test deps), again whenever pyproject.toml changes.
 PYTHON ?= python3
 VENV ?= .venv
+# test processes (pytest-xdist, whole modules each): the suite is mostly single-threaded work and
+# waits on worker processes, so two keep two cores busy
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
 
@@ -19,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/tessera train
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check tessera tests benchmarks

@@ -25,6 +25,12 @@ def pytest_configure(config):
     os.environ["TESSERA_CACHE"] = tempfile.mkdtemp(prefix="tessera-test-cache-")
 
 
+def pytest_collection_modifyitems(config, items):
+    # Modules that start worker processes are the longest: they go first (stable, so each module
+    # keeps its order), and under pytest-xdist (make test) the shorter ones even out the end.
+    items.sort(key=lambda item: item.get_closest_marker("distributed") is None)
+
+
 def _planetoid_dir() -> Path | None:
     candidates = []
     for root in filter(None, os.environ.get("TESSERA_DATA", "").split(os.pathsep)):
