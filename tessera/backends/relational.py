@@ -24,6 +24,7 @@ import time
 import torch
 
 from tessera.backends import select
+from tessera.kernels.placement import host_kernels
 from tessera.relational.plan import Relations, ranked_variants, variant_cost
 from tessera.relational.variants import run_variant
 
@@ -78,6 +79,9 @@ def choose_variant(rel: Relations, x: torch.Tensor, weight: torch.Tensor, reduce
     key = decision_key(rel, fi, fo, reduce)
     stats = rel.stats()
     ranked = ranked_variants(stats, fi, fo)
+    if not host_kernels(x):  # gTasks run on the CPU's kernels; the other variants in portable torch ops
+        ranked = [v for v in ranked if v != "gtask"] or ["edge_wise"]
+        key += f" on {x.device.type}"
     known = select.lookup(rel.matrix, key, ranked)
     if known is not None:
         return known

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from tessera.errors import ConfigError
+from tessera.kernels.placement import host_kernels
+from tessera.memo import TensorMemo
 from tessera.relational.block_matmul import block_matmul, segment_blocks
 from tessera.relational.gtask_kernels import typed_message_sum
 from tessera.relational.operand import relational
@@ -53,6 +56,14 @@ def segment_matmul(x: torch.Tensor, ptr: torch.Tensor, weight: torch.Tensor) -> 
 
 
 # ---------------------------------------------------------------------------------------- variants
+_copies: TensorMemo[torch.Tensor] = TensorMemo()  # a host index array's copy on a device
+
+
+def _on(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (a relation structure, built on the host) on ``like``'s device, copied there once."""
+    return t if t.device == like.device else _copies.get(t, lambda: t.to(like.device), key=like.device)
+
+
 def _transform_first(rel: Relations, x, weight, reduce):
     h = torch.matmul(x, weight)  # (R, N, fo): one batched GEMM
     return aggregate(rel.all_pairs(reduce), h.reshape(-1, h.shape[-1]), "sum")
@@ -60,24 +71,29 @@ def _transform_first(rel: Relations, x, weight, reduce):
 
 def _unique_source(rel: Relations, x, weight, reduce):
     a, p = rel.pairs("source", reduce)
-    return aggregate(a, segment_matmul(x.index_select(0, p.vertex), p.ptr, weight), "sum")
+    return aggregate(a, segment_matmul(x.index_select(0, _on(p.vertex, x)), p.ptr, weight), "sum")
 
 
 def _aggregate_first(rel: Relations, x, weight, reduce):
     a, p = rel.pairs("destination", reduce)
     m = segment_matmul(aggregate(a, x, "sum"), p.ptr, weight)
-    return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, p.vertex, m)
+    return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, _on(p.vertex, m), m)
 
 
 def _edge_wise(rel: Relations, x, weight, reduce):
     e = rel.edges(reduce)
-    m = segment_matmul(x.index_select(0, e.src), e.ptr, weight)
+    m = segment_matmul(x.index_select(0, _on(e.src, x)), e.ptr, weight)
     if e.norm is not None:
-        m = m * e.norm.unsqueeze(1)
-    return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, e.dst, m)
+        m = m * _on(e.norm, m).unsqueeze(1)
+    return m.new_zeros(rel.matrix.num_rows, m.shape[1]).index_add(0, _on(e.dst, m), m)
 
 
 def _gtask(rel: Relations, x, weight, reduce, restrictions=GTASK_RESTRICTIONS):
+    if not host_kernels(x):
+        raise ConfigError(
+            f"--rgcn-variant gtask runs on the CPU's kernels, not on {x.device.type} tensors or under --backend torch; "
+            "use --rgcn-variant auto or another variant"
+        )
     plan, norm = rel.gtasks(reduce, restrictions)
     return typed_message_sum(x, weight, plan, edge_weight=norm)
 

@@ -362,3 +362,28 @@ def test_a_steady_portable_step_reads_nothing_through_numpy(model, tmp_path, mon
     monkeypatch.setattr(torch.Tensor, "numpy", refuse)
     t.train_step()
     t.evaluate()
+
+
+@pytest.mark.parametrize("variant", ["auto", "unique_source", "aggregate_first", "edge_wise", "gtask"])
+def test_rgcn_variants_under_the_portable_kernels(variant, tmp_path):
+    """Every RGCN variant but gTasks runs in portable torch ops (and trains as on the CPU's
+    kernels); gTasks run on the CPU's kernels only, which a portable run says in one line."""
+    from tessera.datasets import load
+    from tessera.errors import ConfigError
+    from tessera.train.config import TrainConfig
+    from tessera.train.loop import Trainer
+
+    g = load("synthetic:tiny-rel")
+    losses = {}
+    for backend in ("auto", "torch"):
+        cfg = TrainConfig(
+            dataset="synthetic:tiny-rel", model="rgcn", hidden=8, epochs=2, backend=backend, rgcn_variant=variant,
+            progress=False, out=str(tmp_path / backend),
+        )  # fmt: skip
+        t = Trainer(cfg.validate(), g)
+        if variant == "gtask" and backend == "torch":
+            with pytest.raises(ConfigError, match="--rgcn-variant gtask runs on the CPU's kernels"):
+                t.train_step()
+            return
+        losses[backend] = [t.train_step() for _ in range(2)]
+    torch.testing.assert_close(torch.tensor(losses["torch"]), torch.tensor(losses["auto"]), rtol=1e-4, atol=0)
