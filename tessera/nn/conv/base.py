@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from tessera.dense import Epilogue
 from tessera.errors import ConfigError
+from tessera.nn.conv.inputs import pyg_inputs
 from tessera.sparse import GraphOperand, LayerSpec
 
 
@@ -76,6 +78,17 @@ class Fusion:
 class GraphConv(nn.Module):
     """A graph layer: ``forward(x, graph, hints)`` with ``graph`` a :data:`~tessera.sparse.GraphOperand`.
 
+    Calling a layer: ``conv(x, graph, hints=None)`` with a tessera ``Graph``, CSR matrix or operand
+    (what the model passes) runs ``forward`` as it is. A graph given as PyG users hold it is turned
+    into a ``Graph`` first, once per edge index or adjacency tensor, by :meth:`__call__`
+    (:mod:`tessera.nn.conv.inputs`): ``conv(x, edge_index)`` (PyG's order, ``(2, E)``, row 0 the
+    sources), the per-edge tensor named by :attr:`edge_data` after it (``conv(x, edge_index,
+    edge_weight)`` for GCN, ``edge_type`` for RGCN; positionally or by name), a ``torch.sparse``
+    adjacency in PyG's ``adj_t`` layout (row ``i`` holds the sources of ``i``'s in-edges; its values
+    are the ``edge_data``), and ``size=(N, N)``; ``N`` is ``x.shape[0]``. DGL's order
+    (``conv(g, x)``), wrong sizes and devices are one-line errors saying what to pass. ``forward``
+    itself always receives a tessera graph or operand.
+
     The contract with the model, all a new layer needs:
 
     * ``forward(x, graph, hints=None)`` returns the layer's output for input rows ``x``, aggregating
@@ -98,6 +111,15 @@ class GraphConv(nn.Module):
     #: WiseGraph's operation placement (§5.4): None lets the layer pick the side of its dense
     #: transform it aggregates on (the narrower); True / False fix aggregation before / after it.
     aggregate_first: bool | None = None
+    #: The per-edge tensor the layer takes with an edge index, as its PyG counterpart does
+    #: (``"edge_weight"``, ``"edge_type"``); None: none.
+    edge_data: str | None = None
+
+    def __call__(self, x: torch.Tensor, graph: GraphOperand | torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``forward(x, graph, ...)``, with a graph given as PyG gives it converted first."""
+        if not isinstance(graph, GraphOperand):
+            graph, args, kwargs = pyg_inputs(type(self).__name__, self.edge_data, x, graph, args, kwargs)
+        return super().__call__(x, graph, *args, **kwargs)
 
     @abstractmethod
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:

@@ -31,7 +31,10 @@ class GCNConv(GraphConv):
     ``edge_index`` path drops the fill value (it has no weights to fill), so ``improved`` has no
     effect there; tessera keeps ``A + 2I`` as in PyG's weighted path (the same as passing PyG
     unit weights). ``add_self_loops`` defaults to ``normalize``; loops without normalisation are
-    refused, as in PyG."""
+    refused, as in PyG. Called with an edge index, it takes PyG's ``edge_weight`` after it (a sparse
+    adjacency's values are the weights)."""
+
+    edge_data = "edge_weight"
 
     def __init__(
         self, in_channels: int, out_channels: int, improved: bool = False, add_self_loops: bool | None = None,

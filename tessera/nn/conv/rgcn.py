@@ -27,7 +27,12 @@ class RGCNConv(GraphConv):
     (:mod:`tessera.relational.variants`; ``auto``: by the operand's cost model and measurement;
     ``gtask:RESTRICTIONS``: the gTask variant on the plan those restrictions cut).
     The operation placement (:meth:`place`) decides what a partitioned rank receives for its
-    remote sources (:meth:`describe`); None leaves it to the strategy."""
+    remote sources (:meth:`describe`); None leaves it to the strategy. Called with an edge index,
+    it takes PyG's ``edge_type`` after it (a sparse adjacency's integer values are the relation
+    ids). As in PyG, edge types need only be below ``num_relations``: a graph with fewer relations
+    (its highest ones unused) runs with the first of the layer's relation weights."""
+
+    edge_data = "edge_type"
 
     def __init__(
         self,
@@ -95,12 +100,14 @@ class RGCNConv(GraphConv):
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` of shape ``(N, in_channels)``."""
         a = as_operand(graph, self.backend)
-        rel = relational(a).relations()
-        if rel.num_relations != self.num_relations:
+        r = relational(a).relations().num_relations
+        if r > self.num_relations:
             raise ConfigError(
-                f"the graph has {rel.num_relations} relations but this RGCN layer was built for {self.num_relations}"
+                f"the graph has {r} relations but this RGCN layer was built for {self.num_relations}: "
+                f"build it with num_relations={r} (edge types must be below num_relations)"
             )
-        out = relational_sum(a, x, self.relation_weights(), self.aggr, self.variant)
+        weights = self.relation_weights()
+        out = relational_sum(a, x, weights if r == self.num_relations else weights[:r], self.aggr, self.variant)
         if self.root is not None:
             out = out + dense.linear(x, self.root.t())
         return out if self.bias is None else out + self.bias
