@@ -1,8 +1,9 @@
 """tessera: fast full-graph GNN training."""
 
 from tessera import backends as _backends  # noqa: F401  (registers the backends and the single-process operand)
+from tessera.cli.main import package_version
 from tessera.errors import DatasetError, GraphError, TesseraError
 from tessera.graph import Graph
 
-__version__ = "0.1.0"
+__version__ = package_version()
 __all__ = ["Graph", "GraphError", "DatasetError", "TesseraError", "__version__"]

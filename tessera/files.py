@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,18 +15,31 @@ import numpy as np
 
 
 def _temp_pattern(path: Path) -> re.Pattern[str]:
-    # mkstemp's names as atomic_write asks for them: ".<name>." + 8 of [a-z0-9_] + ".tmp"
+    # the names atomic_write gives its temporaries: ".<name>." + 8 of [a-z0-9_] + ".tmp" (8 hex
+    # digits now; mkstemp's alphabet, which earlier versions used, still matches)
     return re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}" + re.escape(".tmp"))
+
+
+def _new_temp(path: Path) -> Path:
+    """Create an empty temporary file beside ``path``, named for :func:`_temp_pattern`."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            # 0o666 and O_EXCL, as open() would create it: the process umask decides the mode
+            # (mkstemp's 0600 would leave every output readable by its owner only)
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, rename it onto ``path``,
-    then fsync the directory so the rename itself survives a crash."""
+    then fsync the directory so the rename itself survives a crash. The file's mode follows the
+    umask, as a plain ``open()``'s does."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _new_temp(path)
     try:
         write(tmp)
         with open(tmp, "rb") as f:

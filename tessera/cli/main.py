@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"tessera: error: {message} (see {self.prog} --help)\n")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is at the time of each message (a test's
+    captured stream, a redirected one), not the stream it was created with."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: object) -> None:
+        pass
+
+
+def log_to_stderr() -> None:
+    """Print the ``tessera`` logger's messages of level INFO and above as ``tessera: ...`` lines
+    on stderr (once per process; a level the caller set on the logger is kept)."""
+    logger = logging.getLogger("tessera")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("tessera: %(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+#: the version a source tree reports when no installed package metadata names one
+SOURCE_VERSION = "0.1.0"
+
+
+def package_version() -> str:
+    """The installed ``tessera-gnn`` distribution's version, else :data:`SOURCE_VERSION`."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tessera-gnn")
+    except PackageNotFoundError:
+        return SOURCE_VERSION
+
+
 def _add_dataset(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset", help="cora | citeseer | pubmed | ogbn-* | a path | synthetic:<preset> (default synthetic:small)"
@@ -28,6 +68,9 @@ def _add_dataset(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tessera", description="Fast full-graph GNN training.")
+    parser.add_argument(
+        "--version", action="version", version=f"tessera {package_version()}", help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     t = sub.add_parser("train", help="train a model on a whole graph")
@@ -63,7 +106,17 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--feature-norm", help="auto | row | none (default auto: row-normalise non-negative features)")
     t.add_argument(
         "--out",
-        help="run directory for metrics.jsonl, result.json, checkpoint.pt (default runs/<model>-<dataset>-s<seed>)",
+        help="run directory for config.toml, metrics.jsonl, metrics.csv, result.json, checkpoint.pt (default "
+        "runs/<model>-<dataset>-s<seed>, or the first of its -2, -3, ... that holds no run with other settings)",
+    )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="replace the run in --out even if its settings differ (without it, such an --out is refused)",
+    )
+    t.add_argument(
+        "--tensorboard", metavar="DIR", help="also write the per-epoch metrics as TensorBoard scalars to DIR"
     )
     t.add_argument("--checkpoint-every", type=int, help="epochs between checkpoints (default 10)")
     t.add_argument("--resume", action="store_true", default=None, help="continue from the checkpoint in --out")
@@ -147,18 +200,24 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from tessera.comm.group import env_world_size
     from tessera.devices import training_device
     from tessera.train.config import FIELDS, make_config, read_toml
-    from tessera.train.loop import default_out_dir, train
+    from tessera.train.loop import announce_run_dir, run_dir, tensorboard_writer_class, train
     from tessera.train.setup import check_out_dir
 
     flags = {k: v for k, v in vars(args).items() if k in FIELDS}
     cfg = make_config(read_toml(args.config) if args.config else {}, flags)
     # a device this machine lacks is refused before anything is loaded, launched or written
     training_device(cfg.device, cfg.nprocs > 1 or env_world_size() > 1 or cfg.parts_dir is not None)
-    check_out_dir(cfg.out or default_out_dir(cfg))
+    if cfg.tensorboard:
+        tensorboard_writer_class()
+    where = run_dir(cfg)
+    check_out_dir(where.path)
+    if int(os.environ.get("RANK", "0")) == 0:
+        announce_run_dir(where)
+    given_out, cfg.out = cfg.out, str(where.path)  # every rank and the Trainer write where this says
     if cfg.nprocs > 1 and env_world_size() <= 1:
         from tessera.cli.launch import launch
 
-        return launch(argv, cfg.nprocs)
+        return launch(argv if given_out else [*argv, "--out", cfg.out], cfg.nprocs)
     res = train(cfg)
     if not res:  # a non-zero rank: rank 0 reports
         return 0
@@ -169,6 +228,7 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         f"(best epoch {res['best_epoch']}) | median epoch {res['epoch_time_median_s'] * 1e3:.2f} ms | "
         f"peak RSS {max(res['peak_rss_mb_per_rank']):.0f} MiB"
         + (f" (largest of {res['world_size']} ranks)" if res["world_size"] > 1 else "")
+        + f" | {cfg.out}"
     )
     return 0
 
@@ -246,6 +306,7 @@ def _cmd_partition(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tessera`` console script; returns the exit status."""
+    log_to_stderr()
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -44,9 +44,11 @@ class TrainConfig:
     feature_norm: str = "auto"
     out: str | None = None
     resume: bool = False
+    overwrite: bool = False
     plot: bool = False
     checkpoint_every: int = 10
     progress: bool = True
+    tensorboard: str | None = None
     nprocs: int = 1
     strategy: str = "auto"
     remote_agg: str = "prepost"
@@ -101,6 +103,10 @@ class TrainConfig:
             (self.norm in ("none", "layer"), f"--norm must be none or layer, got {self.norm!r}"),
             (0.0 <= self.label_prop < 1.0, f"--label-prop must be in [0, 1), got {self.label_prop}"),
             (
+                not (self.resume and self.overwrite),
+                "--resume continues the run in the run directory and --overwrite replaces it; give one of them",
+            ),
+            (
                 self.reorder in ("auto", "none", "rcm", "metis", "degree"),
                 f"--reorder must be auto, none, rcm, metis or degree, got {self.reorder!r}",
             ),
@@ -121,6 +127,35 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (JSON- and checkpoint-safe)."""
         return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The settings as a TOML file ``--config`` reads back: every field but
+        :data:`NOT_IN_TOML` and those left unset (None), named like the flags."""
+        lines = ["# the settings of this run: `tessera train --config <this file>` trains it again"]
+        defaults = TrainConfig()
+        for name, value in self.to_dict().items():
+            # a strategy's setting at its default is left out: given, it is refused where no layer reads it
+            unread = name in STRATEGY_FLAGS and value == getattr(defaults, name)
+            if name not in NOT_IN_TOML and value is not None and not unread:
+                lines.append(f"{name.replace('_', '-')} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+
+#: fields ``config.toml`` leaves out: where the run went, and what one command did to it
+NOT_IN_TOML = ("out", "resume", "overwrite")
+
+
+def _toml_value(value: bool | int | float | str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # a float's repr always has "." or "e": TOML reads it back as a float
+    # a basic string: TOML requires escaping quotes, backslashes and control characters (tab aside)
+    escaped = "".join(
+        "\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F else c
+        for c in value
+    )
+    return f'"{escaped}"'
 
 
 PRECISIONS = ("fp32", "bf16")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import csv
 import json
+import logging
 import math
 import os
 import resource
@@ -12,7 +14,7 @@ import sys
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +31,37 @@ from tessera.memo import tuning
 from tessera.nn.loss import cross_entropy_rows
 from tessera.threads import set_num_threads
 from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
-from tessera.train.config import TrainConfig
+from tessera.train.config import FIELDS, TrainConfig, read_toml
 from tessera.train.optim import Adam
 from tessera.train.progress import progress
 from tessera.train.setup import prepare
 
+log = logging.getLogger(__name__)
+
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
 RESULT = "result.json"
 PLOT = "curves.png"
+CONFIG = "config.toml"
+#: what a run writes in its directory
+RUN_FILES = (CONFIG, CHECKPOINT, METRICS, METRICS_CSV, RESULT, PLOT)
+#: the files that show a directory holds a run
+_RUN_MARKERS = (CONFIG, RESULT, CHECKPOINT, METRICS)
+#: settings that do not change what a run trains: two runs differing only in them are the same run
+_NOT_RUN_SETTINGS = (
+    "out",
+    "resume",
+    "overwrite",
+    "progress",
+    "plot",
+    "threads",
+    "timeout",
+    "checkpoint_every",
+    "tensorboard",
+)
+#: the columns of metrics.csv: the per-epoch numbers (communication records stay in metrics.jsonl)
+CSV_COLUMNS = ("epoch", "train_loss", "train_acc", "val_acc", "test_acc", "val_loss", "epoch_time_s")
 # Settings that must agree between a checkpoint and the run resuming from it.
 _RESUME_KEYS = (
     "model",
@@ -71,6 +95,164 @@ def default_out_dir(cfg: TrainConfig) -> Path:
     return Path("runs") / f"{cfg.model}-{ds}-s{cfg.seed}"
 
 
+class RunDir(NamedTuple):
+    """Where a run writes: ``path``; ``instead_of``, the default directory it did not take because
+    that holds a run with other settings; ``replaces``, the other settings of the run
+    ``--overwrite`` replaces in ``path`` (empty when it replaces none)."""
+
+    path: Path
+    instead_of: Path | None = None
+    replaces: tuple[str, ...] = ()
+
+
+def recorded_settings(path: str | Path) -> dict[str, Any] | None:
+    """The settings of the run in directory ``path``, from its ``config.toml`` or (runs written
+    before it existed) its ``result.json``; None when it holds no run. Settings that cannot be
+    read come back as ``{"?": ...}``, which no run's settings equal."""
+    d = Path(path)
+    if not any((d / name).exists() for name in _RUN_MARKERS):
+        return None
+    defaults = TrainConfig().to_dict()
+    try:
+        if (d / CONFIG).is_file():
+            return {**defaults, **read_toml(d / CONFIG)}
+        if (d / RESULT).is_file():
+            old = json.loads((d / RESULT).read_text())["config"]
+            return {**defaults, **{k: v for k, v in old.items() if k in FIELDS}}
+    except (TesseraError, OSError, ValueError, KeyError, TypeError):
+        pass
+    return {"?": "not recorded"}
+
+
+def settings_differ(cfg: TrainConfig, recorded: dict[str, Any]) -> tuple[str, ...]:
+    """The settings in which a recorded run differs from ``cfg``, each as ``name=recorded (this
+    run value)``, leaving out those that do not change what is trained (output, display, threads)."""
+    if "?" in recorded:
+        return ("settings not recorded (no readable config.toml or result.json)",)
+    mine = cfg.to_dict()
+    return tuple(
+        f"{k.replace('_', '-')}={recorded.get(k)!r} (this run {mine[k]!r})"
+        for k in FIELDS
+        if k not in _NOT_RUN_SETTINGS and recorded.get(k) != mine[k]
+    )
+
+
+def _listed(diff: tuple[str, ...]) -> str:
+    return ", ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
+
+
+def run_dir(cfg: TrainConfig) -> RunDir:
+    """The run directory of ``cfg``, never one holding a run with other settings unless asked:
+    ``--out`` (or, with ``--resume`` or ``--overwrite``, the default directory) as given, a
+    :class:`ConfigError` if it holds a run with other settings and neither flag is given; without
+    ``--out``, the first of ``runs/<model>-<dataset>-s<seed>``, ``...-2``, ``...-3``, ... that is
+    empty or holds a run with the same settings."""
+    base = Path(cfg.out) if cfg.out else default_out_dir(cfg)
+    if cfg.resume:  # the checkpoint's own settings are checked when it is read
+        return RunDir(base)
+    if cfg.out or cfg.overwrite:
+        recorded = recorded_settings(base)
+        diff = () if recorded is None else settings_differ(cfg, recorded)
+        if diff and not cfg.overwrite:
+            where = f"--out {base}" if cfg.out else str(base)
+            raise ConfigError(
+                f"{where} holds a run with other settings ({_listed(diff)}); add --resume to continue it, "
+                "--overwrite to replace it, or choose another --out"
+            )
+        return RunDir(base, replaces=diff)
+    path, n = base, 1
+    while (recorded := recorded_settings(path)) is not None and settings_differ(cfg, recorded):
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return RunDir(path, instead_of=None if n == 1 else base)
+
+
+def announce_run_dir(where: RunDir) -> None:
+    """Say (through the ``tessera`` logger) that a run took a suffixed directory."""
+    if where.instead_of is not None:
+        log.warning("%s holds a run with other settings; this run writes %s", where.instead_of, where.path)
+
+
+def tensorboard_writer_class() -> Any:
+    """``torch.utils.tensorboard.SummaryWriter``, or a :class:`ConfigError` saying to install tensorboard."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter
+
+
+def kernels_compiled() -> bool:
+    """Whether numba's cache holds tessera's CSR aggregation kernel (one of the kernels every CPU
+    run compiles): False on a first run, True when it is there or the cache cannot be read."""
+    try:
+        from tessera.backends import cpu_csr
+
+        return bool(cpu_csr._spmm._cache._cache_file._load_index())
+    except Exception:  # numba's cache internals differ between versions: say nothing rather than fail
+        return True
+
+
+class _MetricsFiles:
+    """The per-epoch records: ``metrics.jsonl`` (every field), ``metrics.csv`` (the numbers of
+    :data:`CSV_COLUMNS`) and, with ``--tensorboard``, TensorBoard scalars; all three rewritten
+    from the checkpoint's history on resume, so nothing past the checkpoint survives."""
+
+    def __init__(self, out: Path, history: list[dict[str, Any]], tensorboard: str | None) -> None:
+        atomic_write(out / METRICS, lambda tmp: tmp.write_text("".join(map(_json_line, history))))
+        atomic_write(out / METRICS_CSV, lambda tmp: self._write_csv(tmp, history))
+        self.jsonl: TextIO = open(out / METRICS, "a")
+        self.csv_file: TextIO = open(out / METRICS_CSV, "a", newline="")
+        self.csv = csv.writer(self.csv_file)
+        self.tb: Any = None
+        if tensorboard:
+            writer = tensorboard_writer_class()
+            start = history[-1]["epoch"] if history else 0
+            try:
+                # purge_step drops the events a killed run wrote past the checkpoint
+                self.tb = writer(log_dir=tensorboard, purge_step=start + 1 if start else None)
+            except OSError as e:
+                self.close()
+                raise ConfigError(f"--tensorboard {tensorboard} cannot be written ({e.strerror or e})") from None
+
+    @staticmethod
+    def _write_csv(tmp: Path, history: list[dict[str, Any]]) -> None:
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(CSV_COLUMNS)
+            w.writerows([rec[k] for k in CSV_COLUMNS] for rec in history)
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """Append one epoch's record to every file and flush it."""
+        self.jsonl.write(_json_line(rec))
+        self.jsonl.flush()
+        self.csv.writerow([rec[k] for k in CSV_COLUMNS])
+        self.csv_file.flush()
+        if self.tb is not None:
+            for key in CSV_COLUMNS[1:]:
+                split, _, what = key.rpartition("_")  # train_loss -> loss/train
+                tag = "time/epoch_s" if key == "epoch_time_s" else f"{what}/{split}"
+                self.tb.add_scalar(tag, rec[key], rec["epoch"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        """Close the files (and the TensorBoard writer)."""
+        self.jsonl.close()
+        self.csv_file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class _NoMetrics:
+    """What a non-zero rank writes: nothing."""
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """Nothing."""
+
+    def close(self) -> None:
+        """Nothing."""
+
+
 def _agree_gemm_path(comm: Comm) -> None:
     """Every rank runs its dense products on rank 0's decided GEMM path and chunk library (measured
     there if not yet known); a path forced for a block is not adopted beyond it."""
@@ -99,8 +281,16 @@ class Trainer:
         if self.comm.world > 1 and self.comm.device.type == "cpu":  # the path is the CPU products'
             _agree_gemm_path(self.comm)
         torch.manual_seed(cfg.seed)
-        self.out = Path(cfg.out) if cfg.out else default_out_dir(cfg)
+        self.where = run_dir(cfg)
+        self.out = self.where.path
+        if self.is_main:
+            announce_run_dir(self.where)
+        if cfg.tensorboard:
+            tensorboard_writer_class()  # refused before the set-up's work, not after it
         self._resume = self._read_checkpoint()
+        if self.is_main and sys.stderr.isatty() and not kernels_compiled():
+            # only where someone watches: a log gets no line that depends on the cache's state
+            log.info("compiling kernels for this machine (first run only: numba caches them for later runs)")
         with self.kernels():
             run = prepare(
                 cfg, graph, self.comm, None if self._resume is None else (self.out / CHECKPOINT, self._resume)
@@ -277,37 +467,45 @@ class Trainer:
                 add_epoch(self.comm_totals, rec["comm"])
         missing = len(self.history) - self.comm_totals.get("epochs", 0)
         if missing and self.is_main:
-            print(
-                f"tessera: checkpoint {path} has no communication records for {missing} of its "
-                f"{len(self.history)} epochs; the communication totals leave those epochs out",
-                file=sys.stderr,
+            log.warning(
+                "checkpoint %s has no communication records for %d of its %d epochs; "
+                "the communication totals leave those epochs out",
+                path,
+                missing,
+                len(self.history),
             )
 
     def _checkpoint(self) -> None:
         if self.is_main:
             save_checkpoint(self.out / CHECKPOINT, self.state())
 
-    def _start_metrics(self) -> Any:
-        # Rewrite the file from the checkpoint's history so lines past the checkpoint vanish.
-        if not self.is_main:
-            return open(os.devnull, "w")
-        path = self.out / METRICS
-        atomic_write(path, lambda tmp: tmp.write_text("".join(map(_json_line, self.history))))
-        return open(path, "a")
+    def _start_metrics(self) -> _MetricsFiles | _NoMetrics:
+        return _MetricsFiles(self.out, self.history, self.cfg.tensorboard) if self.is_main else _NoMetrics()
+
+    def _start_files(self) -> None:
+        """On rank 0: the stale temporaries a killed write left removed, the files of a run with
+        other settings that ``--overwrite`` replaces deleted, and this run's ``config.toml`` written."""
+        if not self.is_main:  # only rank 0 writes: what a killed write left behind is nobody's now
+            return
+        for name in RUN_FILES:
+            remove_stale_temps(self.out / name)
+        if self.where.replaces:
+            log.info("--overwrite: replacing the run in %s (%s)", self.out, _listed(self.where.replaces))
+            for name in RUN_FILES:
+                (self.out / name).unlink(missing_ok=True)
+        atomic_write(self.out / CONFIG, lambda tmp: tmp.write_text(self.cfg.to_toml()))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
         """Train until ``epochs`` or early stopping, restore the best-validation weights, test."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.is_main:  # only rank 0 writes: what a killed write left behind is nobody's now
-            for name in (CHECKPOINT, METRICS, RESULT, PLOT):
-                remove_stale_temps(self.out / name)
         if self._resume is not None:
             ckpt, self._resume = self._resume, None
             self.load_state(ckpt)
         elif cfg.resume and self.is_main:
-            print(f"tessera: no checkpoint in {self.out}; starting from epoch 1", file=sys.stderr)
+            log.warning("no checkpoint in %s; starting from epoch 1", self.out)
+        self._start_files()
         metrics = self._start_metrics()
         stopped = self.bad_epochs >= cfg.patience > 0
         bar = progress(cfg.epochs, self.epoch, cfg.progress)
@@ -324,8 +522,7 @@ class Trainer:
                     rec["comm"] = self.log.gather(self.comm)
                     add_epoch(self.comm_totals, rec["comm"])
                 self.history.append(rec)
-                metrics.write(_json_line(rec))
-                metrics.flush()
+                metrics.write(rec)
                 better = ev["val_acc"] > self.best["val_acc"] or (
                     ev["val_acc"] == self.best["val_acc"] and ev["val_loss"] < self.best["val_loss"]
                 )
@@ -353,6 +550,15 @@ class Trainer:
         finally:
             bar.close()
             metrics.close()
+        if stopped and self.is_main:  # after the bar, which a terminal has on its last line
+            log.info(
+                "early stopping at epoch %d: no better validation accuracy in the last %s (--patience %d); "
+                "best epoch %d",
+                self.epoch,
+                f"{self.bad_epochs} epochs" if self.bad_epochs != 1 else "epoch",
+                cfg.patience,
+                self.best["epoch"],
+            )
         return self._finish(stopped)
 
     def _stop_if_diverged(self, rec: dict[str, Any]) -> None:

@@ -1,9 +1,11 @@
 """Training progress on stderr: a redrawn bar on a terminal; on anything else (a log file, a
 pipe) whole lines, few enough to read: the first epoch, then at most one line per
-:data:`INTERVAL_S` seconds, and the last epoch."""
+:data:`INTERVAL_S` seconds, and the last epoch. ``TQDM_DISABLE=1`` in the environment hides both,
+as it hides tqdm's bars elsewhere."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -70,9 +72,17 @@ class LineProgress:
         self.last, self.written = now, self.n
 
 
+def disabled_by_env() -> bool:
+    """Whether ``TQDM_DISABLE`` asks for no progress display (set, and not 0, false, no or off)."""
+    return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def progress(total: int, initial: int = 0, enabled: bool = True, desc: str = "train") -> Progress:
     """The progress display of a run of ``total`` epochs starting after ``initial``: tqdm's bar when
-    stderr is a terminal, :class:`LineProgress` otherwise, nothing shown unless ``enabled``."""
+    stderr is a terminal, :class:`LineProgress` otherwise, nothing shown unless ``enabled`` and
+    ``TQDM_DISABLE`` is unset."""
+    # tqdm reads TQDM_DISABLE only for arguments its caller leaves out, and disable is given here
+    enabled = enabled and not disabled_by_env()
     if enabled and not sys.stderr.isatty():
         return LineProgress(total, initial, desc)
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, unit="ep", leave=True, mininterval=0.5)

@@ -39,7 +39,9 @@ DATA = Path(__file__).parents[1] / "data"
 BASE = ["train", "--dataset", "synthetic:tiny", "--hidden", "16", "--patience", "0", "--no-progress"]
 KILL_ARGS = [*BASE, "--checkpoint-every", "1", "--threads", "1", "--timeout", "60"]
 EPOCHS = 150  # 20 kills advance the run by at most ~6 epochs each
-TEMP = re.compile(r"\.(checkpoint\.pt|metrics\.jsonl|result\.json|curves\.png)\.[a-z0-9_]{8}\.tmp")
+TEMP = re.compile(
+    r"\.(checkpoint\.pt|metrics\.jsonl|metrics\.csv|config\.toml|result\.json|curves\.png)\.[a-z0-9_]{8}\.tmp"
+)
 STAGES = ["random"] * 8 + ["half_written", "before_rename", "after_rename"] * 4  # 20 kills
 
 
@@ -313,7 +315,7 @@ def test_twenty_kill_9s_leave_one_loadable_checkpoint_and_no_temp_after_the_next
         assert t["held"] if t["stage"] != "random" else t["saves_seen"] >= t["at"], t
         # Exactly one checkpoint, loadable, plus metrics and our own temporaries only.
         assert t["epoch"] is not None and t["epoch"] >= t["start"], t
-        assert set(t["files"]) - set(t["temps"]) == {"checkpoint.pt", "metrics.jsonl"}, t
+        assert set(t["files"]) - set(t["temps"]) == {"checkpoint.pt", "config.toml", "metrics.csv", "metrics.jsonl"}, t
         if t["stage"] in ("half_written", "before_rename"):  # killed between temp write and rename
             assert t["epoch"] == t["start"] + t["at"] - 1 and any(
                 n.startswith(".checkpoint.pt.") for n in t["temps"]
@@ -324,7 +326,7 @@ def test_twenty_kill_9s_leave_one_loadable_checkpoint_and_no_temp_after_the_next
             assert t["stale_after_start"] == [], t
     assert sum(bool(t["temps"]) for t in trials) >= 8  # the 8 half-written / not-renamed kills, at least
     assert report["final_exit"] == 0
-    assert report["final_files"] == ["checkpoint.pt", "metrics.jsonl", "result.json"]
+    assert report["final_files"] == ["checkpoint.pt", "config.toml", "metrics.csv", "metrics.jsonl", "result.json"]
 
 
 def test_run_resumed_after_twenty_kills_equals_the_uninterrupted_run(campaign):
@@ -342,7 +344,7 @@ def test_two_rank_run_killed_twice_resumes_with_the_full_communication_totals(ca
     assert report["dist_window_kill_temps"] and report["dist_window_epoch"] >= 1
     assert report["dist_random_kill"] == [-signal.SIGKILL] * 2 and report["dist_random_epoch"] >= 1
     assert report["dist_resume"] == [0, 0]
-    assert report["dist_final_files"] == ["checkpoint.pt", "metrics.jsonl", "result.json"]
+    assert report["dist_final_files"] == ["checkpoint.pt", "config.toml", "metrics.csv", "metrics.jsonl", "result.json"]
     resumed, straight = _result(root / "dkilled"), _result(root / "dref")
     assert resumed["world_size"] == 2 and resumed["comm"]["epochs"] == 12
     assert sum(map(sum, resumed["comm"]["bytes_data"])) > 0
@@ -386,7 +388,7 @@ def test_stale_temp_removal_takes_only_atomic_writes_own_names(tmp_path):
     target = tmp_path / "checkpoint.pt"
     seen = []
     atomic_write(target, lambda tmp: (seen.append(tmp.name), tmp.write_bytes(b"x")))
-    ours = [seen[0], ".checkpoint.pt.abcd_123.tmp"]  # the name mkstemp really chose, and another
+    ours = [seen[0], ".checkpoint.pt.abcd_123.tmp"]  # the name atomic_write really chose, and another
     others = [
         ".checkpoint.pt.abc.tmp",
         ".checkpoint.pt.ABCD1234.tmp",
