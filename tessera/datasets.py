@@ -22,14 +22,17 @@ from tessera.graph import graph as graph_module
 from tessera.graph.formats import (
     is_ntriples,
     is_ogb_dir,
+    is_torch_file,
     is_typed_edgelist,
     load_edgelist,
     load_npz,
     load_ntriples,
     load_ogb,
     load_planetoid,
+    load_pt,
     load_typed_edgelist,
 )
+from tessera.graph.formats._common import announce_when_loaded
 from tessera.graph.graph import Graph
 
 # Lower-case spec name -> directory spelling used by PyG / OGB downloads.
@@ -43,12 +46,31 @@ def known_names() -> list[str]:
     return sorted([*PLANETOID, *OGB])
 
 
+def user_data_root() -> Path:
+    """The default per-user data root: ``$XDG_CACHE_HOME/tessera/datasets`` or ``~/.cache/tessera/datasets``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
+    return base / "tessera" / "datasets"
+
+
+def checkout_data_root() -> Path | None:
+    """``../shared/datasets`` beside a source checkout of tessera (the development and CI
+    fallback); None when tessera is imported from an installed package rather than a checkout."""
+    project = Path(__file__).resolve().parents[1]
+    if not (project / "pyproject.toml").is_file() or not (project / "tessera" / "__init__.py").is_file():
+        return None
+    return project.parent / "shared" / "datasets"
+
+
 def data_roots(root: str | os.PathLike | None = None) -> list[Path]:
     """Folders searched for named datasets, in order: ``root``, ``$TESSERA_DATA`` (``os.pathsep``
-    separated), ``../shared/datasets`` from the working directory, then from the project root."""
+    separated), :func:`user_data_root`, then :func:`checkout_data_root` when running from a checkout."""
     candidates = [Path(root)] if root is not None else []
     candidates += [Path(p) for p in os.environ.get("TESSERA_DATA", "").split(os.pathsep) if p]
-    candidates += [Path.cwd() / "../shared/datasets", Path(__file__).resolve().parents[1] / "../shared/datasets"]
+    candidates.append(user_data_root())
+    checkout = checkout_data_root()
+    if checkout is not None:
+        candidates.append(checkout)
     out: list[Path] = []
     for c in candidates:
         c = Path(os.path.normpath(c.expanduser().absolute()))
@@ -176,9 +198,13 @@ def _no_split(split: str | None, what: str) -> None:
 
 def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0, split: str | None = None) -> Graph:
     """Load a dataset file or directory, detecting its format from the layout and suffix (``.npz``;
-    ``.nt`` N-Triples with a ``<stem>.labels`` file; ``.rel`` typed ``src rel dst`` edge lists;
+    ``.pt`` / ``.pth`` ``torch.save``d PyG Data or ``data.to_dict()``; ``.nt`` N-Triples with a ``<stem>.labels`` file; ``.rel`` typed ``src rel dst`` edge lists;
     other files plain edge lists); ``split`` picks one of an OGB directory's ``split/<name>`` folders."""
-    p = Path(path).expanduser()
+    with announce_when_loaded():
+        return _load_path(Path(path).expanduser(), name, seed, split)
+
+
+def _load_path(p: Path, name: str | None, seed: int, split: str | None) -> Graph:
     if p.is_dir():
         for folder in (p, p / "raw"):
             names = _planetoid_names(folder)
@@ -198,6 +224,8 @@ def load_path(path: str | os.PathLike, *, name: str | None = None, seed: int = 0
         return load_npz(p, seed=seed, name=name)
     if is_ntriples(p):
         return load_ntriples(p, seed=seed, name=name)
+    if is_torch_file(p):
+        return load_pt(p, seed=seed, name=name)
     if is_typed_edgelist(p):
         return load_typed_edgelist(p, seed=seed, name=name)
     m = _PLANETOID_FILE.match(p.name)
@@ -225,7 +253,8 @@ def load(
             if kind == "planetoid":
                 _no_split(split, f"the Planetoid dataset {key}")
                 return load_planetoid(folder, key)
-            return load_ogb(folder, name=OGB.get(key, key), seed=seed, split=split)
+            with announce_when_loaded():
+                return load_ogb(folder, name=OGB.get(key, key), seed=seed, split=split)
     path = Path(spec).expanduser()
     if path.exists():
         return load_path(path, name=name, seed=seed, split=split)
@@ -248,7 +277,9 @@ def _not_found_message(spec: str, key: str, roots: list[Path]) -> str:
     else:
         msg += f", and it is not a known dataset name ({', '.join(known_names())})"
     fixes = [
-        "set TESSERA_DATA to the folder that holds planetoid/ (or the ind.<name>.* files) or OGB dirs such as ogbn_arxiv/",
+        "set TESSERA_DATA to the folder that holds planetoid/ (or the ind.<name>.* files) or OGB dirs such as "
+        f"ogbn_arxiv/ (export TESSERA_DATA=/path/to/datasets; several folders separated by {os.pathsep!r}), "
+        f"or put them in {user_data_root()}",
         "pass a path to a .npz file, an edge-list file, or a Planetoid/OGB directory",
     ]
     try:

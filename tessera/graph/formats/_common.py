@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,23 @@ from tessera.graph.formats._limits import check_npy_size, npy_header
 from tessera.graph.graph import Graph, stratified_split
 
 MASKS = ("train_mask", "val_mask", "test_mask")
+
+log = logging.getLogger(__name__)
+_deferred: ContextVar[list[tuple[str, tuple[Any, ...]]] | None] = ContextVar("tessera_deferred_logs", default=None)
+
+
+@contextmanager
+def announce_when_loaded() -> Iterator[None]:
+    """Hold :func:`announce_split` messages until the block ends without an error (so a file that
+    fails later in its loading prints only its error), then log them."""
+    held: list[tuple[str, tuple[Any, ...]]] = []
+    token = _deferred.set(held)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
+    for msg, args in held:
+        log.info(msg, *args)
 
 
 def check_edge_range(src: np.ndarray, dst: np.ndarray, num_nodes: int, source: str, bound: str = "") -> None:
@@ -120,6 +141,23 @@ def default_split(y: torch.Tensor, num_classes: int, seed: int) -> dict[str, tor
     return dict(zip(MASKS, stratified_split(y, num_classes, 20, 30, seed), strict=True))
 
 
+def announce_split(split: dict[str, torch.Tensor], seed: int, source: str) -> None:
+    """Log (INFO, on the ``tessera`` logger the CLI prints to stderr) that ``source`` had no split
+    and got the seeded :func:`default_split` ``split``."""
+    if not split:
+        return
+    sizes = " / ".join(str(int(split[k].sum())) for k in MASKS)
+    msg = (
+        "no split given for the labels in %s: using a seeded one (seed %d) of 20 training and 30 validation "
+        "vertices per class, the rest for testing (train / val / test: %s)"
+    )
+    held = _deferred.get()
+    if held is not None:
+        held.append((msg, (source, seed, sizes)))
+    else:
+        log.info(msg, source, seed, sizes)
+
+
 def label_data(
     y: np.ndarray, masks: dict[str, torch.Tensor] | None, seed: int, source: str, declared: int | None = None
 ) -> dict[str, Any]:
@@ -128,7 +166,11 @@ def label_data(
     :func:`default_split`."""
     c = check_classes(y, source, declared)
     yt = torch.from_numpy(y)
-    split = labelled_only(masks, yt)[0] if masks is not None else default_split(yt, c, seed)
+    if masks is not None:
+        split = labelled_only(masks, yt)[0]
+    else:
+        split = default_split(yt, c, seed)
+        announce_split(split, seed, source)
     return {"y": yt, "num_classes": c, **split}
 
 
