@@ -4,6 +4,7 @@ from tessera import backends as _backends  # noqa: F401  (registers the backends
 from tessera.cli.main import package_version
 from tessera.errors import DatasetError, GraphError, TesseraError
 from tessera.graph import Graph
+from tessera.train.api import Run, fit, load_run
 
 __version__ = package_version()
-__all__ = ["Graph", "GraphError", "DatasetError", "TesseraError", "__version__"]
+__all__ = ["Graph", "GraphError", "DatasetError", "TesseraError", "Run", "fit", "load_run", "__version__"]

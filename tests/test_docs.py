@@ -38,6 +38,7 @@ PAGES = [
     "README",
     "datasets-and-formats",
     "models",
+    "python-api",
     "distributed",
     "planner",
     "communication",

@@ -1,4 +1,4 @@
-"""The ``tessera`` command: ``train``, ``info``, ``partition``, ``simulate``, ``plan`` and ``kernels``."""
+"""The ``tessera`` command: ``train``, ``predict``, ``info``, ``partition``, ``simulate``, ``plan`` and ``kernels``."""
 
 from __future__ import annotations
 
@@ -193,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
     from tessera.cli.plan import add_parser as add_plan
 
     add_plan(sub)
+    from tessera.cli.predict import add_parser as add_predict
+
+    add_predict(sub)
     return parser
 
 
@@ -315,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     if args.command is None:
         print(
-            "tessera: error: no command given; choose train, info, partition, simulate, plan or kernels (see tessera --help)",
+            "tessera: error: no command given; choose train, predict, info, partition, simulate, plan or kernels (see tessera --help)",
             file=sys.stderr,
         )
         return 2
@@ -336,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tessera.cli.kernels import run as run_kernels
 
             return run_kernels(args)
+        if args.command == "predict":
+            from tessera.cli.predict import run as run_predict
+
+            return run_predict(args)
         return _cmd_info(args)
     except DistributedError as e:
         # A worker died or a collective broke: not the user's input, so not status 2. Under

@@ -4,7 +4,11 @@ field against the run resuming from them before anything is restored.
 A run whose layers ``--strategy auto`` planned also stores the plan (``plan``: the world size
 and one ``--strategy`` entry per layer), so that resuming it trains under the same strategies
 without planning again; checkpoints of other runs, and those written before plans were stored,
-have ``plan`` None or no ``plan``."""
+have ``plan`` None or no ``plan``.
+
+A checkpoint holds two sets of weights: ``model``, the last epoch's (what ``--resume`` continues
+from), and ``best``'s ``state``, the best-validation epoch's (what the run restores and reports
+its accuracies with, and :func:`best_weights` returns)."""
 
 from __future__ import annotations
 
@@ -59,6 +63,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise TesseraError(
             f"checkpoint {path} is unreadable ({type(e).__name__}); delete it or drop --resume"
         ) from None
+
+
+def best_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The best-validation epoch's weights of ``ckpt`` (its last epoch's if none was recorded)."""
+    best = ckpt["best"].get("state")
+    return ckpt["model"] if best is None else best
 
 
 class _Check:

@@ -267,11 +267,17 @@ def _agree_gemm_path(comm: Comm) -> None:
 
 class Trainer:
     """Trains one model on one graph (or, in a distributed job, on this rank's part of it);
-    ``fit()`` returns the result dict also written to ``result.json``."""
+    ``fit()`` returns the result dict also written to ``result.json``. With ``files=False`` it
+    writes nothing (no run directory, checkpoint, metrics or result: the Python API's runs)."""
 
-    def __init__(self, cfg: TrainConfig, graph: Graph | dict[str, Any], comm: Comm | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, graph: Graph | dict[str, Any], comm: Comm | None = None, *, files: bool = True
+    ) -> None:
         cfg.validate()
+        if not files and (cfg.resume or cfg.plot or cfg.tensorboard):
+            raise ConfigError("resume, plot and tensorboard need a run directory: give out")
         self.cfg = cfg
+        self.files = files
         distributed = comm is not None and comm.world > 1 or not isinstance(graph, Graph)
         self.device = training_device(cfg.device, distributed)
         self.comm = comm or single_process(self.device)
@@ -281,9 +287,10 @@ class Trainer:
         if self.comm.world > 1 and self.comm.device.type == "cpu":  # the path is the CPU products'
             _agree_gemm_path(self.comm)
         torch.manual_seed(cfg.seed)
-        self.where = run_dir(cfg)
+        self.where = run_dir(cfg) if files else RunDir(Path(cfg.out or "."))
         self.out = self.where.path
-        if self.is_main:
+        self.writes = files and self.is_main  # only rank 0 writes
+        if self.writes:
             announce_run_dir(self.where)
         if cfg.tensorboard:
             tensorboard_writer_class()  # refused before the set-up's work, not after it
@@ -309,6 +316,7 @@ class Trainer:
         self.info = (shard.name, shard.num_nodes, shard.num_edges)
         self._fingerprint = shard.fingerprint
         self.strategy, self.log, self.plan = run.strategy, run.strategy.log, run.plan
+        self.feature_norm = run.feature_norm  # what --feature-norm did to this graph: row or none
         self.comm_totals: dict[str, Any] = {}
         self.opt = Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.epoch = 0
@@ -476,16 +484,16 @@ class Trainer:
             )
 
     def _checkpoint(self) -> None:
-        if self.is_main:
+        if self.writes:
             save_checkpoint(self.out / CHECKPOINT, self.state())
 
     def _start_metrics(self) -> _MetricsFiles | _NoMetrics:
-        return _MetricsFiles(self.out, self.history, self.cfg.tensorboard) if self.is_main else _NoMetrics()
+        return _MetricsFiles(self.out, self.history, self.cfg.tensorboard) if self.writes else _NoMetrics()
 
     def _start_files(self) -> None:
         """On rank 0: the stale temporaries a killed write left removed, the files of a run with
         other settings that ``--overwrite`` replaces deleted, and this run's ``config.toml`` written."""
-        if not self.is_main:  # only rank 0 writes: what a killed write left behind is nobody's now
+        if not self.writes:  # only rank 0 writes: what a killed write left behind is nobody's now
             return
         for name in RUN_FILES:
             remove_stale_temps(self.out / name)
@@ -499,7 +507,8 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until ``epochs`` or early stopping, restore the best-validation weights, test."""
         cfg = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.writes:
+            self.out.mkdir(parents=True, exist_ok=True)
         if self._resume is not None:
             ckpt, self._resume = self._resume, None
             self.load_state(ckpt)
@@ -597,6 +606,7 @@ class Trainer:
             "peak_rss_mb_per_rank": rss_per_rank,
             "num_params": sum(p.numel() for p in self.model.parameters()),
             "vertex_order": "none" if self.order is None else self.order.method,
+            "feature_norm": self.feature_norm,
             "config": self.cfg.to_dict(),
         }
         if not self.is_main:
@@ -606,6 +616,8 @@ class Trainer:
             result["comm"] = self.comm_totals
         if self.plan is not None:
             result["plan"] = self.plan.to_dict()
+        if not self.writes:
+            return result
         write_json(self.out / RESULT, result)
         if self.cfg.plot:
             from tessera.train.plot import plot_curves

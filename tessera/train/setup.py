@@ -79,6 +79,7 @@ class Setup:
     order: VertexOrder | None
     counts: dict[str, int]  # global split sizes
     plan: Plan | None = None  # the planner's record under --strategy auto
+    feature_norm: str = "none"  # what --feature-norm did to the features: row or none
 
 
 def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
@@ -225,9 +226,11 @@ def prepare(
     total = comm.all_reduce_sum(local)
     # the shard's rows are a copy (renumbered or another rank's slice) unless it is the caller's graph
     owned = not (isinstance(original, Graph) and shard.x is original.x)
-    x = prepare_features(shard.x, cfg.feature_norm, non_negative=bool(total[3] == 0), in_place=owned)
+    non_negative = bool(total[3] == 0)
+    x = prepare_features(shard.x, cfg.feature_norm, non_negative=non_negative, in_place=owned)
+    applied = "row" if cfg.feature_norm == "row" or (cfg.feature_norm == "auto" and non_negative) else "none"
     if cfg.precision == "bf16":  # features, activations and their gradients stored in bfloat16
         x = x.to(torch.bfloat16)
     operands = [strategy.operand(spec, i) for i, spec in enumerate(specs)]
     counts = {k: int(total[i]) for i, k in enumerate(SPLITS)}
-    return Setup(shard, x, model, strategy, operands, order, counts, plan)
+    return Setup(shard, x, model, strategy, operands, order, counts, plan, applied)
