@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import json
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from tessera import workspace
 from tessera.comm.accounting import add_epoch
 from tessera.comm.group import Comm, env_world_size, single_process
+from tessera.datasets import announce_when_loaded
 from tessera.dense import gemm_path
 from tessera.devices import training_device
 from tessera.errors import ConfigError, DistributedError, TesseraError
@@ -631,13 +633,17 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
 
     Inside a distributed job (``WORLD_SIZE`` > 1, from ``tessera train --nprocs`` or torchrun)
     every rank runs this; each trains its partition and rank 0 writes the outputs."""
-    if graph is None and not cfg.parts_dir:
-        from tessera.datasets import load
+    single = env_world_size() <= 1 and not cfg.parts_dir
+    # what loading announces (a generated split) is said once the run's set-up has passed its checks
+    with announce_when_loaded() if single else contextlib.nullcontext():
+        if graph is None and not cfg.parts_dir:
+            from tessera.datasets import load
 
-        graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
-    if env_world_size() <= 1 and not cfg.parts_dir:
-        assert graph is not None  # loaded above
-        trainer = Trainer(cfg, graph)
+            graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
+        if single:
+            assert graph is not None  # loaded above
+            trainer = Trainer(cfg, graph)
+    if single:
         del graph  # a renumbered run trains on its own copy: the loaded graph's memory can go
         return trainer.fit()
     from tessera.comm.group import init_from_env, shutdown

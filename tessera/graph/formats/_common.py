@@ -26,13 +26,18 @@ _deferred: ContextVar[list[tuple[str, tuple[Any, ...]]] | None] = ContextVar("te
 @contextmanager
 def announce_when_loaded() -> Iterator[None]:
     """Hold :func:`announce_split` messages until the block ends without an error (so a file that
-    fails later in its loading prints only its error), then log them."""
+    fails later in its loading, or a run refused at set-up, prints only its error), then log them;
+    inside an enclosing block they are handed on to it."""
+    outer = _deferred.get()
     held: list[tuple[str, tuple[Any, ...]]] = []
     token = _deferred.set(held)
     try:
         yield
     finally:
         _deferred.reset(token)
+    if outer is not None:
+        outer.extend(held)
+        return
     for msg, args in held:
         log.info(msg, *args)
 
