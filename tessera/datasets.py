@@ -92,7 +92,11 @@ def _load_synthetic(preset: str, seed: int, name: str | None) -> Graph:
     mod = _synthetic()
     if mod is None:
         raise DatasetError("synthetic graphs are unavailable: tessera.graph.synthetic is not installed")
-    presets = [*getattr(mod, "PRESETS", {}), *getattr(mod, "TYPED_PRESETS", ())]
+    presets = [
+        *getattr(mod, "PRESETS", {}),
+        *getattr(mod, "TYPED_PRESETS", ()),
+        *getattr(mod, "MULTILABEL_PRESETS", ()),
+    ]
     known = getattr(mod, "is_preset", lambda name: name in presets)
     if not known(preset) and known(preset.lower()):
         preset = preset.lower()
@@ -286,6 +290,12 @@ def _not_found_message(spec: str, key: str, roots: list[Path]) -> str:
         mod = _synthetic()
     except Exception:  # a broken synthetic module must not hide the real problem
         mod = None
-    presets = sorted([*getattr(mod, "PRESETS", {}), *getattr(mod, "TYPED_PRESETS", ())]) if mod is not None else []
+    presets = (
+        sorted(
+            [*getattr(mod, "PRESETS", {}), *getattr(mod, "TYPED_PRESETS", ()), *getattr(mod, "MULTILABEL_PRESETS", ())]
+        )
+        if mod is not None
+        else []
+    )
     fixes.append("use synthetic:<preset>" + (f" (presets: {', '.join(presets)})" if presets else ""))
     return f"{msg}. To fix: " + "; or ".join(fixes)

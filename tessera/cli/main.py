@@ -226,8 +226,10 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return 0
     if "comm" in res:
         print(format_comm_summary(res["comm"], res["world_size"], cfg.comm_bits))
+    m = res.get("metric", "acc")
+    shown = "ROC-AUC" if m == "rocauc" else "acc"  # a multi-label run's mean ROC-AUC over its tasks
     print(
-        f"{cfg.model} on {res['dataset']}: test acc {res['test_acc']:.4f} | val acc {res['val_acc']:.4f} "
+        f"{cfg.model} on {res['dataset']}: test {shown} {res[f'test_{m}']:.4f} | val {shown} {res[f'val_{m}']:.4f} "
         f"(best epoch {res['best_epoch']}) | median epoch {res['epoch_time_median_s'] * 1e3:.2f} ms | "
         f"peak RSS {max(res['peak_rss_mb_per_rank']):.0f} MiB"
         + (f" (largest of {res['world_size']} ranks)" if res["world_size"] > 1 else "")
@@ -265,7 +267,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
         f"in-degree    mean {d['mean']:.2f}  max {d['max']:.0f}  p50 {d['p50']:.0f}  p90 {d['p90']:.0f}  p99 {d['p99']:.0f}"
     )
     print(f"features     {g.num_features}")
-    print(f"classes      {g.num_classes if g.num_classes is not None else '-'}")
+    if g.multilabel:
+        print(f"classes      {g.num_classes} binary tasks (multi-label targets)")
+    else:
+        print(f"classes      {g.num_classes if g.num_classes is not None else '-'}")
     if g.num_relations is None:
         print("relations    - (untyped)")
     else:

@@ -1,5 +1,6 @@
 """The ``tessera predict`` subcommand: a trained run's predicted class of every vertex, written
-to a ``.npy`` (int64, one per vertex) or ``.csv`` (``vertex,class``) file."""
+to a ``.npy`` (int64, one per vertex) or ``.csv`` (``vertex,class``) file; of a multi-label run the
+0/1 prediction of every task (``.npy``: int64 vertices x tasks; ``.csv``: ``vertex,task0,task1,...``)."""
 
 from __future__ import annotations
 
@@ -42,14 +43,25 @@ def run(args: argparse.Namespace) -> int:
 
         graph = load(args.dataset, name=args.name, split=args.split)
     classes = result.classes(graph).numpy()
-    accuracy = result.evaluate(graph)["test_acc"]
+    scores = result.evaluate(graph)
+    multilabel = classes.ndim == 2
     try:
         if out.suffix.lower() == ".npy":
             save_npy(out, classes)
+        elif multilabel:
+            head = "vertex," + ",".join(f"task{j}" for j in range(classes.shape[1])) + "\n"
+            rows = "".join(f"{v}," + ",".join(map(str, row)) + "\n" for v, row in enumerate(classes.tolist()))
+            atomic_write(out, lambda tmp: tmp.write_text(head + rows))
         else:
             text = "vertex,class\n" + "".join(f"{v},{c}\n" for v, c in enumerate(classes.tolist()))
             atomic_write(out, lambda tmp: tmp.write_text(text))
     except OSError as e:
         raise ConfigError(f"--out {out} cannot be written ({e.strerror or e}); name a writable file") from None
-    print(f"wrote {out}: the class of {len(classes):,} vertices | test acc {accuracy:.4f}")
+    if multilabel:
+        print(
+            f"wrote {out}: the 0/1 prediction of {classes.shape[1]} tasks for {len(classes):,} vertices "
+            f"| test ROC-AUC {scores['test_rocauc']:.4f}"
+        )
+    else:
+        print(f"wrote {out}: the class of {len(classes):,} vertices | test acc {scores['test_acc']:.4f}")
     return 0

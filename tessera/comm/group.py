@@ -72,6 +72,24 @@ class Comm:
         """In-place broadcast from member ``src``; returns ``t``."""
         return self._collective(t, lambda x: dist.broadcast(x, self.job_ranks()[src], group=self.group))
 
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every member's ``t`` (rows of the same width and dtype, any number per member) stacked in
+        member order, on every member (``t`` itself for one rank): the row counts are exchanged
+        first, each member's rows padded to the largest count for ``all_gather``, then trimmed."""
+        if self.world == 1:
+            return t
+        on = t.to(self.device).contiguous()
+        sizes = torch.zeros(self.world, dtype=torch.int64, device=self.device)
+        sizes[self.rank] = on.shape[0]
+        counts = self.all_reduce_sum(sizes).tolist()
+        most = max(counts)
+        padded = on.new_zeros((most, *on.shape[1:]))
+        padded[: on.shape[0]] = on
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded, group=self.group)
+        out = torch.cat([p[:c] for p, c in zip(parts, counts, strict=True)])
+        return out if out.device == t.device else out.to(t.device)
+
     def barrier(self) -> None:
         """Wait for every member."""
         if self.world > 1:

@@ -51,6 +51,10 @@ class Graph(CSRStructure):
     A typed (relational) graph has ``edge_type``: one relation id per edge, each in
     ``[0, num_relations)``; ``num_relations`` defaults to the largest id + 1 and may be declared
     larger (relations without edges). An untyped graph has neither.
+
+    Labels ``y`` are one class id per vertex (-1: unlabelled), or multi-label targets of shape
+    ``(N, C)`` with C > 1 (:attr:`multilabel`): each 0 or 1, NaN or -1 unlabelled, stored int64
+    with -1, and ``num_classes`` is C, the number of binary tasks.
     """
 
     indptr: torch.Tensor
@@ -169,7 +173,9 @@ class Graph(CSRStructure):
                     )
         if self.train_mask is not None and not bool(self.train_mask.any()):
             raise GraphError("train split is empty")
-        if self.y is not None:
+        if self.y is not None and _as_tensor(self.y).dim() == 2 and _as_tensor(self.y).shape[1] > 1:
+            self._validate_multilabel(masks)
+        elif self.y is not None:
             y = _as_tensor(self.y)
             if y.dtype.is_floating_point or y.dtype == torch.bool:
                 raise GraphError(f"labels must be integers, got {y.dtype}")
@@ -190,6 +196,40 @@ class Graph(CSRStructure):
                     raise GraphError(f"{name} contains unlabelled vertices (label -1)")
             self.y = y
             self.num_classes = int(c)
+
+    def _validate_multilabel(self, masks: list[tuple[str, torch.Tensor]]) -> None:
+        """Multi-label targets ``y`` of shape ``(N, C)``: each 0 or 1, an unlabelled entry NaN (or
+        -1), stored as int64 with -1 for unlabelled; ``num_classes`` is C, the number of tasks."""
+        n, y = self.num_nodes, _as_tensor(self.y)
+        if y.shape[0] != n:
+            raise GraphError(f"multi-label targets have shape {tuple(y.shape)}, expected ({n}, C)")
+        if y.dtype == torch.bool:
+            y = y.to(torch.int64)
+        elif y.dtype.is_floating_point:
+            y = torch.where(torch.isnan(y), torch.full_like(y, -1.0), y)
+        elif y.dtype.is_complex:
+            raise GraphError(f"multi-label targets must be 0/1 numbers or booleans, got {y.dtype}")
+        bad = (y != 0) & (y != 1) & (y != -1)
+        if bool(bad.any()):
+            i, j = (int(v) for v in bad.nonzero()[0])
+            raise GraphError(
+                f"multi-label target of vertex {i}, task {j} is {_as_tensor(self.y)[i, j].item()!r}; "
+                "each target must be 0 or 1 (NaN: unlabelled)"
+            )
+        y = y.to(torch.int64).contiguous()
+        c = int(y.shape[1])
+        if self.num_classes is not None and int(self.num_classes) != c:
+            raise GraphError(f"num_classes={self.num_classes} but the multi-label targets have {c} tasks (columns)")
+        unlabelled = (y < 0).all(1)
+        for name, m in masks:
+            if bool((m & unlabelled).any()):
+                raise GraphError(f"{name} contains unlabelled vertices (every target NaN)")
+        self.y, self.num_classes = y, c
+
+    @property
+    def multilabel(self) -> bool:
+        """Whether the labels are multi-label targets (``y`` of shape ``(N, C)``: C binary tasks)."""
+        return self.y is not None and self.y.dim() == 2
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -1,5 +1,7 @@
 """Seeded synthetic graphs shaped like the usual benchmarks (degree-corrected stochastic block model),
-plain or typed (``<preset>-rel[R]``: R relations whose homophily differs, see :func:`generate_typed`)."""
+plain, typed (``<preset>-rel[R]``: R relations whose homophily differs, see :func:`generate_typed`)
+or multi-label (``<preset>-multilabel``: binary tasks that follow the communities, see
+:func:`generate_multilabel`)."""
 
 from __future__ import annotations
 
@@ -211,6 +213,8 @@ def generate(preset: str | SyntheticSpec, seed: int = 0) -> Graph:
     Names ``<preset>-rel[R]`` give typed graphs (:func:`generate_typed`)."""
     if isinstance(preset, str) and preset not in PRESETS and _TYPED.match(preset):
         return generate_typed(preset, seed)
+    if isinstance(preset, str) and preset not in PRESETS and _MULTILABEL.match(preset):
+        return generate_multilabel(preset, seed)
     spec = _resolve(preset)
     rng_struct, rng_feat, rng_split = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3))
     n = spec.num_nodes
@@ -273,8 +277,8 @@ class RelationKinds:
 
 
 def is_preset(name: str) -> bool:
-    """Whether ``name`` is a plain preset or a typed ``<preset>-rel[R]`` one."""
-    m = _TYPED.match(name)
+    """Whether ``name`` is a plain preset, a typed ``<preset>-rel[R]`` or a ``<preset>-multilabel`` one."""
+    m = _TYPED.match(name) or _MULTILABEL.match(name)
     return name in PRESETS or (m is not None and m["base"] in PRESETS)
 
 
@@ -369,3 +373,34 @@ def generate_typed(preset: str, seed: int = 0) -> Graph:
         num_relations=r,
         **_node_data(spec, y, rng_feat, rng_split, f"synthetic:{preset}"),
     )
+
+
+# ---------------------------------------------------------------------------------- multi-label graphs
+_MULTILABEL = re.compile(r"^(?P<base>[a-z]+)-multilabel$")
+#: multi-label presets listed beside the plain ones; any ``<preset>-multilabel`` works
+MULTILABEL_PRESETS = ("tiny-multilabel", "small-multilabel")
+#: tasks of a multi-label preset per community of its base preset
+TASKS_PER_CLASS = 2
+#: the share of vertices positive in each task
+POSITIVE_RATE = 0.25
+
+
+def generate_multilabel(preset: str, seed: int = 0) -> Graph:
+    """The multi-label preset ``<base>-multilabel``: the plain preset's vertices, edges, features and
+    split, with ``TASKS_PER_CLASS`` binary tasks per community instead of the class. A vertex is
+    positive in task t when its community's seeded affinity to t plus Gaussian noise is among the
+    top :data:`POSITIVE_RATE` of the task's scores, so a model that recognises communities (from
+    features and neighbours) predicts the tasks well, never perfectly. Same seed, same graph."""
+    m = _MULTILABEL.match(preset)
+    if m is None or m["base"] not in PRESETS:
+        raise DatasetError(
+            f"unknown synthetic preset {preset!r}; choose one of: {', '.join([*PRESETS, *MULTILABEL_PRESETS])}"
+        )
+    base = generate(m["base"], seed)
+    assert base.y is not None and base.num_classes is not None  # every plain preset has its classes
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(4)[3])  # the plain preset uses the first 3
+    communities, tasks = base.num_classes, TASKS_PER_CLASS * base.num_classes
+    affinity = rng.standard_normal((communities, tasks)) * 1.5
+    score = affinity[base.y.numpy()] + rng.standard_normal((base.num_nodes, tasks))
+    y = (score > np.quantile(score, 1.0 - POSITIVE_RATE, axis=0)).astype(np.int64)
+    return base.replace(y=torch.from_numpy(y), num_classes=tasks, name=f"synthetic:{preset}")

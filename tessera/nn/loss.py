@@ -1,8 +1,10 @@
-"""Cross-entropy over a full-graph output's rows, or over a subset of them."""
+"""Cross-entropy (one class per row) and binary cross-entropy (multi-label) over a full-graph
+output's rows, or over a subset of them."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tessera.sparse.rows import take_rows
 
@@ -34,3 +36,17 @@ def cross_entropy_rows(logits: torch.Tensor, rows: torch.Tensor | None, target: 
     distinct ``rows`` (int64 ids or a bool mask; None: every row, as a model asked for only the
     rows its loss reads returns them)."""
     return _SumCrossEntropy.apply(logits if rows is None else take_rows(logits, rows), target)
+
+
+def bce_rows(logits: torch.Tensor, rows: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor:
+    """``F.binary_cross_entropy_with_logits(logits[rows], target, reduction="sum")``, the same value
+    and gradient, for multi-label targets ``target`` (0/1 per row and task; an entry -1 is
+    unlabelled and left out of the sum); computed in float32 when the logits are bfloat16 (the
+    gradient is stored as they are). ``rows`` as :func:`cross_entropy_rows`."""
+    picked = logits if rows is None else take_rows(logits, rows)
+    x = picked.to(torch.promote_types(picked.dtype, torch.float32))
+    labelled = target >= 0
+    if bool(labelled.all()):
+        return F.binary_cross_entropy_with_logits(x, target.to(x.dtype), reduction="sum")
+    weight = labelled.to(x.dtype)
+    return F.binary_cross_entropy_with_logits(x, target.clamp(min=0).to(x.dtype), weight, reduction="sum")

@@ -31,8 +31,9 @@ _EVAL_OFF: dict[str, Any] = {
 
 
 class Run:
-    """A trained model with its settings, history and accuracies (``result``, as ``result.json``);
-    ``model`` holds the best-validation weights the run reported its accuracies with."""
+    """A trained model with its settings, history and accuracies (``result``, as ``result.json``;
+    a multi-label run's ROC-AUC instead, see :attr:`metric`); ``model`` holds the best-validation
+    weights the run reported them with."""
 
     def __init__(
         self,
@@ -54,23 +55,56 @@ class Run:
         return self._trainer(None).model
 
     @property
+    def metric(self) -> str:
+        """What the run measured: ``acc`` (accuracy of one class per vertex) or ``rocauc`` (multi-label
+        targets: the ROC-AUC averaged over the tasks, as OGB's ogbn-proteins)."""
+        return str(self.result.get("metric", "acc"))
+
+    def _reported(self, key: str) -> float:
+        if key not in self.result and key.endswith("_acc") and self.metric == "rocauc":
+            raise ConfigError(
+                f"this run has multi-label targets and reports ROC-AUC, not accuracy: use {key[:-4]}_rocauc"
+            )
+        if key not in self.result and key.endswith("_rocauc"):
+            raise ConfigError(
+                f"this run reports accuracy, not ROC-AUC (its targets are one class per vertex): use {key[:-7]}_acc"
+            )
+        return float(self.result[key])
+
+    @property
     def test_acc(self) -> float:
         """The test accuracy the run reported."""
-        return float(self.result["test_acc"])
+        return self._reported("test_acc")
 
     @property
     def val_acc(self) -> float:
         """The validation accuracy the run reported."""
-        return float(self.result["val_acc"])
+        return self._reported("val_acc")
 
     @property
     def train_acc(self) -> float:
         """The training accuracy the run reported."""
-        return float(self.result["train_acc"])
+        return self._reported("train_acc")
+
+    @property
+    def test_rocauc(self) -> float:
+        """The test ROC-AUC (mean over the tasks) a multi-label run reported."""
+        return self._reported("test_rocauc")
+
+    @property
+    def val_rocauc(self) -> float:
+        """The validation ROC-AUC (mean over the tasks) a multi-label run reported."""
+        return self._reported("val_rocauc")
+
+    @property
+    def train_rocauc(self) -> float:
+        """The training ROC-AUC (mean over the tasks) a multi-label run reported."""
+        return self._reported("train_rocauc")
 
     def evaluate(self, graph: Graph | None = None) -> dict[str, float]:
         """Accuracy on each split (``train_acc``, ``val_acc``, ``test_acc``) and ``val_loss`` on
-        ``graph`` (default: the run's own), features prepared as the run prepared them."""
+        ``graph`` (default: the run's own), features prepared as the run prepared them; of
+        multi-label targets the ROC-AUC instead (``train_rocauc``, ``val_rocauc``, ``test_rocauc``)."""
         return self._trainer(graph).evaluate()
 
     def predict(self, graph: Graph | None = None) -> torch.Tensor:
@@ -78,12 +112,16 @@ class Run:
         return self._trainer(graph).predict().cpu()
 
     def classes(self, graph: Graph | None = None) -> torch.Tensor:
-        """The predicted class of every vertex of ``graph`` (default: the run's own), in its vertex order."""
-        return self.predict(graph).argmax(1)
+        """The predicted class of every vertex of ``graph`` (default: the run's own), in its vertex
+        order; of multi-label targets a 0/1 int64 matrix (vertices x tasks: logit > 0)."""
+        trainer = self._trainer(graph)
+        logits = trainer.predict().cpu()
+        return (logits > 0).to(torch.int64) if trainer.multilabel else logits.argmax(1)
 
     def __repr__(self) -> str:
         where = f", path={str(self.path)!r}" if self.path else ""
-        return f"Run(model={self.config.model!r}, dataset={self.result.get('dataset')!r}, test_acc={self.result.get('test_acc')}{where})"
+        key = f"test_{self.metric}"
+        return f"Run(model={self.config.model!r}, dataset={self.result.get('dataset')!r}, {key}={self.result.get(key)}{where})"
 
     def _eval_config(self) -> TrainConfig:
         """The run's settings for evaluating in this process: one process, nothing written, and

@@ -43,6 +43,8 @@ _FIELDS: dict[str, type] = {
 }
 _OPTIONAL = ("plan",)  # fields a checkpoint may lack (written before they existed)
 _RECORD_NUMBERS = ("train_loss", "train_acc", "val_acc", "test_acc", "val_loss", "epoch_time_s")
+# a multi-label run's records: ROC-AUC where a single-label run has accuracy
+_RECORD_NUMBERS_ROCAUC = ("train_loss", "train_rocauc", "val_rocauc", "test_rocauc", "val_loss", "epoch_time_s")
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 _ADAM_GROUP = ("params", "lr", "betas", "eps", "weight_decay")  # what Adam.step cannot do without
 _SETTING = (type(None), bool, int, float, str)  # what a config value can be
@@ -162,13 +164,14 @@ def check_contents(ckpt: dict[str, Any], path: str | Path, model: GNN, opt: Adam
     c.tensor("'rng'", ckpt["rng"], torch.get_rng_state(), "torch's generator")
     _check_optimizer(c, ckpt["optimizer"], opt)
     best = ckpt["best"]
-    c.keys("'best'", best, ("val_acc", "val_loss", "epoch", "state"))
-    c.number("'best'['val_acc']", best["val_acc"])
+    metric = checkpoint_metric(ckpt)
+    c.keys("'best'", best, (f"val_{metric}", "val_loss", "epoch", "state"))
+    c.number(f"'best'['val_{metric}']", best[f"val_{metric}"])
     c.number("'best'['val_loss']", best["val_loss"])
     c.count("'best'['epoch']", best["epoch"], 0, epoch)
     if best["state"] is not None:
         c.state_dict("'best'['state']", best["state"], model.state_dict())
-    _check_history(c, ckpt["history"], epoch)
+    _check_history(c, ckpt["history"], epoch, _RECORD_NUMBERS_ROCAUC if metric == "rocauc" else _RECORD_NUMBERS)
 
 
 def check_plan(ckpt: dict[str, Any], path: str | Path, model: GNN) -> dict[str, Any] | None:
@@ -241,15 +244,22 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _check_history(c: _Check, history: list[Any], epoch: int) -> None:
+def checkpoint_metric(ckpt: dict[str, Any]) -> str:
+    """The metric the checkpointed run selected its best epoch by: ``rocauc`` (a multi-label run)
+    or ``acc``."""
+    best = ckpt.get("best")
+    return "rocauc" if isinstance(best, dict) and "val_rocauc" in best else "acc"
+
+
+def _check_history(c: _Check, history: list[Any], epoch: int, numbers: tuple[str, ...] = _RECORD_NUMBERS) -> None:
     if len(history) != epoch:
         c.fail("'history'", f"has {len(history)} records for {epoch} epochs")
     layers = set()
     for i, rec in enumerate(history):
         field = f"'history'[{i}]"
-        c.keys(field, rec, ("epoch", *_RECORD_NUMBERS), ("comm",))
+        c.keys(field, rec, ("epoch", *numbers), ("comm",))
         c.count(field + "['epoch']", rec["epoch"], i + 1, i + 1)
-        for k in _RECORD_NUMBERS:
+        for k in numbers:
             c.number(f"{field}[{k!r}]", rec[k])
         if "comm" in rec:
             try:

@@ -30,10 +30,17 @@ from tessera.errors import ConfigError, DistributedError, TesseraError
 from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
 from tessera.memo import tuning
-from tessera.nn.loss import cross_entropy_rows
+from tessera.nn.loss import bce_rows, cross_entropy_rows
 from tessera.threads import set_num_threads
-from tessera.train.checkpoint import check_contents, check_layout, load_checkpoint, save_checkpoint
+from tessera.train.checkpoint import (
+    check_contents,
+    check_layout,
+    checkpoint_metric,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tessera.train.config import FIELDS, TrainConfig, read_toml
+from tessera.train.evaluate import mean_rocauc
 from tessera.train.optim import Adam
 from tessera.train.progress import progress
 from tessera.train.setup import prepare
@@ -64,6 +71,16 @@ _NOT_RUN_SETTINGS = (
 )
 #: the columns of metrics.csv: the per-epoch numbers (communication records stay in metrics.jsonl)
 CSV_COLUMNS = ("epoch", "train_loss", "train_acc", "val_acc", "test_acc", "val_loss", "epoch_time_s")
+#: what each metric is called where a run reports it (``acc``: accuracy of one class per vertex;
+#: ``rocauc``: multi-label targets, the ROC-AUC averaged over the tasks as OGB's ogbn-proteins)
+METRIC_NAMES = {"acc": "accuracy", "rocauc": "ROC-AUC"}
+
+
+def csv_columns(metric: str = "acc") -> tuple[str, ...]:
+    """The columns of metrics.csv of a run reporting ``metric`` (``acc`` or ``rocauc``)."""
+    return tuple(k.replace("_acc", f"_{metric}") for k in CSV_COLUMNS)
+
+
 # Settings that must agree between a checkpoint and the run resuming from it.
 _RESUME_KEYS = (
     "model",
@@ -200,7 +217,8 @@ class _MetricsFiles:
     :data:`CSV_COLUMNS`) and, with ``--tensorboard``, TensorBoard scalars; all three rewritten
     from the checkpoint's history on resume, so nothing past the checkpoint survives."""
 
-    def __init__(self, out: Path, history: list[dict[str, Any]], tensorboard: str | None) -> None:
+    def __init__(self, out: Path, history: list[dict[str, Any]], tensorboard: str | None, metric: str = "acc") -> None:
+        self.columns = csv_columns(metric)
         atomic_write(out / METRICS, lambda tmp: tmp.write_text("".join(map(_json_line, history))))
         atomic_write(out / METRICS_CSV, lambda tmp: self._write_csv(tmp, history))
         self.jsonl: TextIO = open(out / METRICS, "a")
@@ -217,21 +235,20 @@ class _MetricsFiles:
                 self.close()
                 raise ConfigError(f"--tensorboard {tensorboard} cannot be written ({e.strerror or e})") from None
 
-    @staticmethod
-    def _write_csv(tmp: Path, history: list[dict[str, Any]]) -> None:
+    def _write_csv(self, tmp: Path, history: list[dict[str, Any]]) -> None:
         with open(tmp, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(CSV_COLUMNS)
-            w.writerows([rec[k] for k in CSV_COLUMNS] for rec in history)
+            w.writerow(self.columns)
+            w.writerows([rec[k] for k in self.columns] for rec in history)
 
     def write(self, rec: dict[str, Any]) -> None:
         """Append one epoch's record to every file and flush it."""
         self.jsonl.write(_json_line(rec))
         self.jsonl.flush()
-        self.csv.writerow([rec[k] for k in CSV_COLUMNS])
+        self.csv.writerow([rec[k] for k in self.columns])
         self.csv_file.flush()
         if self.tb is not None:
-            for key in CSV_COLUMNS[1:]:
+            for key in self.columns[1:]:
                 split, _, what = key.rpartition("_")  # train_loss -> loss/train
                 tag = "time/epoch_s" if key == "epoch_time_s" else f"{what}/{split}"
                 self.tb.add_scalar(tag, rec[key], rec["epoch"])
@@ -319,10 +336,17 @@ class Trainer:
         self._fingerprint = shard.fingerprint
         self.strategy, self.log, self.plan = run.strategy, run.strategy.log, run.plan
         self.feature_norm = run.feature_norm  # what --feature-norm did to this graph: row or none
+        # multi-label targets (y of shape N x C): binary cross-entropy, measured by ROC-AUC
+        self.multilabel = self.y.dim() == 2
+        self.metric = "rocauc" if self.multilabel else "acc"
+        self._targets: dict[str, int] = {}  # multi-label: labelled targets per split, over all ranks
+        if self.multilabel:
+            local = torch.stack([(self.y[i] >= 0).sum() for i in self.idx.values()]).to(torch.int64)
+            self._targets = dict(zip(self.idx, self.comm.all_reduce_sum(local).tolist(), strict=True))
         self.comm_totals: dict[str, Any] = {}
         self.opt = Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.epoch = 0
-        self.best: dict[str, Any] = {"val_acc": -1.0, "val_loss": float("inf"), "epoch": 0, "state": None}
+        self.best: dict[str, Any] = {f"val_{self.metric}": -1.0, "val_loss": float("inf"), "epoch": 0, "state": None}
         self.bad_epochs = 0
         self.history: list[dict[str, Any]] = []
 
@@ -359,7 +383,10 @@ class Trainer:
         logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids, tr)
         # The sum over this rank's training vertices divided by the global count: summed over ranks
         # it is exactly the single-process mean loss, and so are the all-reduced gradients.
-        loss = cross_entropy_rows(logits, None, self.y[tr]) / max(n_loss, 1)
+        if self.multilabel:  # summed over the rows and tasks, divided by every rank's labelled targets
+            loss = bce_rows(logits, None, self.y[tr]) / max(self._targets["train"], 1)
+        else:
+            loss = cross_entropy_rows(logits, None, self.y[tr]) / max(n_loss, 1)
         loss.backward()
         if self.comm.world > 1:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -372,7 +399,9 @@ class Trainer:
         return float(self.comm.all_reduce_sum(loss.detach().clone()))
 
     def evaluate(self) -> dict[str, float]:
-        """Accuracy on each split and the validation loss, in eval mode (no dropout), over all ranks."""
+        """Accuracy on each split (``train_acc``, ...; of multi-label targets the ROC-AUC averaged
+        over the tasks, ``train_rocauc``, ...) and the validation loss, in eval mode (no dropout),
+        over all ranks."""
         with self.kernels(), torch.no_grad():
             return self._evaluate()
 
@@ -382,6 +411,8 @@ class Trainer:
             self.log.start_forward("eval")
         rows = self.idx["train"] if self.cfg.label_prop > 0 else None  # evaluation sees every training label
         logits = self.model(self.x, self.operands, rows, None if rows is None else self.y[rows], self.row_ids)
+        if self.multilabel:
+            return self._evaluate_multilabel(logits)
         pred = logits.argmax(1)
         sums = [(pred[i] == self.y[i]).sum().to(torch.float64) for i in self.idx.values()]
         vi = self.idx["val"]
@@ -389,6 +420,29 @@ class Trainer:
         tot = self.comm.all_reduce_sum(torch.stack(sums))
         res = {f"{k}_acc": float(tot[n] / self.counts[k]) if self.counts[k] else 0.0 for n, k in enumerate(self.idx)}
         res["val_loss"] = float(tot[3] / max(self.counts["val"], 1))
+        return res
+
+    def _evaluate_multilabel(self, logits: torch.Tensor) -> dict[str, float]:
+        """Each split's ROC-AUC (OGB's, :func:`~tessera.train.evaluate.mean_rocauc`) of the logits,
+        over the split's rows of every rank (gathered: an AUC is no sum), and the validation
+        binary cross-entropy per labelled target."""
+        res = {}
+        for k, i in self.idx.items():
+            if not self.counts[k]:
+                res[f"{k}_rocauc"] = 0.0
+                continue
+            scores = self.comm.all_gather_rows(logits[i].float()).cpu()
+            labels = self.comm.all_gather_rows(self.y[i]).cpu()
+            try:
+                res[f"{k}_rocauc"] = mean_rocauc(labels, scores)
+            except ValueError:
+                raise TesseraError(
+                    f"no task of the {k} split has both a positive and a negative target: its ROC-AUC is "
+                    "undefined; give the split vertices of both kinds"
+                ) from None
+        vi = self.idx["val"]
+        val = bce_rows(logits, vi, self.y[vi]).to(torch.float64).reshape(1)
+        res["val_loss"] = float(self.comm.all_reduce_sum(val)[0] / max(self._targets["val"], 1))
         return res
 
     def predict(self) -> torch.Tensor:
@@ -459,6 +513,11 @@ class Trainer:
                 f"checkpoint in {self.out} was written for a different graph; use another --out or drop --resume"
             )
         self._check_settings(ckpt)
+        if checkpoint_metric(ckpt) != self.metric:
+            raise ConfigError(
+                f"checkpoint in {self.out} was written by a run measured by {METRIC_NAMES[checkpoint_metric(ckpt)]}, "
+                f"but this graph's targets are measured by {METRIC_NAMES[self.metric]}; use another --out or drop --resume"
+            )
         check_contents(ckpt, path, self.model, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
@@ -490,7 +549,7 @@ class Trainer:
             save_checkpoint(self.out / CHECKPOINT, self.state())
 
     def _start_metrics(self) -> _MetricsFiles | _NoMetrics:
-        return _MetricsFiles(self.out, self.history, self.cfg.tensorboard) if self.writes else _NoMetrics()
+        return _MetricsFiles(self.out, self.history, self.cfg.tensorboard, self.metric) if self.writes else _NoMetrics()
 
     def _start_files(self) -> None:
         """On rank 0: the stale temporaries a killed write left removed, the files of a run with
@@ -534,13 +593,14 @@ class Trainer:
                     add_epoch(self.comm_totals, rec["comm"])
                 self.history.append(rec)
                 metrics.write(rec)
-                better = ev["val_acc"] > self.best["val_acc"] or (
-                    ev["val_acc"] == self.best["val_acc"] and ev["val_loss"] < self.best["val_loss"]
+                key = f"val_{self.metric}"
+                better = ev[key] > self.best[key] or (
+                    ev[key] == self.best[key] and ev["val_loss"] < self.best["val_loss"]
                 )
                 if better:
                     state = copy.deepcopy(self.model.state_dict())
                     self.best = {
-                        "val_acc": ev["val_acc"],
+                        key: ev[key],
                         "val_loss": ev["val_loss"],
                         "epoch": self.epoch,
                         "state": state,
@@ -551,21 +611,20 @@ class Trainer:
                 stopped = cfg.patience > 0 and self.bad_epochs >= cfg.patience
                 if self.epoch % cfg.checkpoint_every == 0 or stopped or self.epoch == cfg.epochs:
                     self._checkpoint()
-                bar.set_postfix(
-                    loss=f"{loss:.4f}",
-                    train=f"{ev['train_acc']:.3f}",
-                    val=f"{ev['val_acc']:.3f}",
-                    t=f"{step * 1e3:.1f}ms",
-                )
+                if self.multilabel:  # named: a ROC-AUC is no accuracy
+                    shown = {"train_rocauc": f"{ev['train_rocauc']:.3f}", "val_rocauc": f"{ev['val_rocauc']:.3f}"}
+                else:
+                    shown = {"train": f"{ev['train_acc']:.3f}", "val": f"{ev['val_acc']:.3f}"}
+                bar.set_postfix(loss=f"{loss:.4f}", **shown, t=f"{step * 1e3:.1f}ms")
                 bar.update(1)
         finally:
             bar.close()
             metrics.close()
         if stopped and self.is_main:  # after the bar, which a terminal has on its last line
             log.info(
-                "early stopping at epoch %d: no better validation accuracy in the last %s (--patience %d); "
-                "best epoch %d",
+                "early stopping at epoch %d: no better validation %s in the last %s (--patience %d); best epoch %d",
                 self.epoch,
+                METRIC_NAMES[self.metric],
                 f"{self.bad_epochs} epochs" if self.bad_epochs != 1 else "epoch",
                 cfg.patience,
                 self.best["epoch"],
@@ -600,9 +659,8 @@ class Trainer:
             "best_epoch": self.best["epoch"],
             "epochs_run": self.epoch,
             "stopped_early": stopped,
-            "train_acc": final["train_acc"],
-            "val_acc": final["val_acc"],
-            "test_acc": final["test_acc"],
+            "metric": self.metric,
+            **{f"{k}_{self.metric}": final[f"{k}_{self.metric}"] for k in ("train", "val", "test")},
             "epoch_time_median_s": statistics.median(times) if times else 0.0,
             "peak_rss_mb": rss_per_rank[self.comm.rank],
             "peak_rss_mb_per_rank": rss_per_rank,

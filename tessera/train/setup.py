@@ -90,6 +90,13 @@ def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
     return int(source["x"].shape[1]), int(source.get("meta", {}).get("num_classes"))
 
 
+def is_multilabel(source: Graph | dict[str, Any]) -> bool:
+    """Whether the graph (or part file) has multi-label targets (``y`` of shape ``(N, C)``)."""
+    if isinstance(source, Graph):
+        return source.multilabel
+    return len(source["y"].shape) == 2
+
+
 def _relations(cfg: TrainConfig, source: Graph | dict[str, Any]) -> int:
     """The relation count an RGCN model is built for (0 for other models)."""
     if cfg.model.lower() != "rgcn":
@@ -156,6 +163,10 @@ def prepare(
     reuses."""
     distributed = comm.world > 1 or not isinstance(source, Graph)
     in_dim, classes = _dims(source)
+    if cfg.label_prop > 0 and is_multilabel(source):
+        raise ConfigError(
+            "--label-prop feeds class ids to the model, but the graph has multi-label targets; drop --label-prop"
+        )
     relations = _relations(cfg, source)
     rows = source.num_nodes // comm.world if isinstance(source, Graph) else int(source["x"].shape[0])
     check_model_memory(cfg, rows, in_dim)

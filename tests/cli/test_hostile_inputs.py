@@ -207,6 +207,18 @@ def ogb_label_1e9(d):
     return ["info", "--dataset", ogb(d, labels=["0", "1", "1000000000", "1"])]
 
 
+@case("multi-label target of vertex 5, task 1 is 2")
+def npz_multilabel_value_2(d):
+    y = (np.arange(60 * 3).reshape(60, 3) % 2).astype(np.int64)
+    y[5, 1] = 2
+    return ["train", "--dataset", write_npz(d / "g.npz", labels=y), "--out", out(d)]
+
+
+@case("multi-label target of vertex 2, task 0 is 0.5")
+def ogb_multilabel_fraction(d):
+    return ["info", "--dataset", ogb(d, labels=["0,1", "1,0", "0.5,1", "1,1"])]
+
+
 # ------------------------------------------------------------------ item 3: sizes the file cannot justify
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tessera import datasets
-from tessera.errors import DatasetError
+from tessera.errors import DatasetError, GraphError
 from tessera.graph.formats import from_pyg, is_torch_file, load_pt
 
 # ---------------------------------------------------------------------------- data roots
@@ -189,10 +189,36 @@ def test_torch_file_wrong_contents(tmp_path):
         load_pt(tmp_path / "hetero.pt")
 
 
-def test_multi_label_is_one_clear_error(tmp_path):
-    torch.save({"edge_index": torch.tensor([[0], [1]]), "y": torch.ones(2, 3, dtype=torch.long)}, tmp_path / "m.pt")
-    with pytest.raises(DatasetError, match="multi-label node classification is not supported yet"):
+def test_multi_label_targets_load(tmp_path, caplog):
+    y = torch.tensor([[1, 0, 1], [0, 1, 0]] * 10)
+    ei = torch.tensor([list(range(20)), [(i + 1) % 20 for i in range(20)]])
+    torch.save({"edge_index": ei, "y": y.float()}, tmp_path / "m.pt")
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        g = load_pt(tmp_path / "m.pt")
+    assert g.multilabel and g.num_classes == 3 and g.y.dtype == torch.int64 and torch.equal(g.y, y)
+    assert (int(g.train_mask.sum()), int(g.val_mask.sum()), int(g.test_mask.sum())) == (12, 4, 4)
+    assert "multi-label targets" in caplog.text and "train / val / test: 12 / 4 / 4" in caplog.text
+    # NaN marks an unlabelled target (-1 stored); a split holds no vertex without any labelled target
+    partial = y.float()
+    partial[0, 1] = float("nan")
+    partial[1] = float("nan")
+    mask = torch.arange(20) < 10
+    torch.save({"edge_index": ei, "y": partial, "train_mask": mask & (torch.arange(20) != 1)}, tmp_path / "nan.pt")
+    g = load_pt(tmp_path / "nan.pt")
+    assert int(g.y[0, 1]) == -1 and bool((g.y[1] == -1).all()) and int(g.train_mask.sum()) == 9
+    torch.save({"edge_index": ei, "y": partial, "train_mask": mask}, tmp_path / "bad.pt")
+    with pytest.raises(GraphError, match="train_mask contains unlabelled vertices"):
+        load_pt(tmp_path / "bad.pt")
+
+
+@pytest.mark.parametrize("bad", [2.0, 0.5, -3.0])
+def test_multi_label_values_other_than_0_1_are_one_clear_error(tmp_path, bad):
+    y = torch.ones(2, 3)
+    y[1, 2] = bad
+    torch.save({"edge_index": torch.tensor([[0], [1]]), "y": y}, tmp_path / "m.pt")
+    with pytest.raises(DatasetError, match=r"target of vertex 1, task 2 is .*must be 0 or 1") as e:
         load_pt(tmp_path / "m.pt")
+    assert "\n" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------- edge-list split

@@ -90,13 +90,17 @@ def edges_to_graph(
 
 
 def labels_from_array(arr: np.ndarray, source: str) -> np.ndarray:
-    """Integer labels as int64; in float input NaN (an unlabelled vertex) becomes -1."""
+    """Integer labels as int64; in float input NaN (an unlabelled vertex) becomes -1. An ``N x C``
+    array (C > 1) holds multi-label targets (C binary tasks, as ogbn-proteins): see
+    :func:`multilabel_from_array`."""
     arr = np.asarray(arr)
     if arr.ndim == 2 and arr.shape[1] == 1:
         arr = arr[:, 0]
+    if arr.ndim == 2:
+        return multilabel_from_array(arr, source)
     if arr.ndim != 1:
         raise DatasetError(
-            f"{source}: labels have shape {arr.shape}; expected one label per vertex (multi-label is unsupported)"
+            f"{source}: labels have shape {arr.shape}; expected one label per vertex or an N x C matrix of 0/1 targets"
         )
     if arr.dtype.kind in "iu":
         y = arr.astype(np.int64)
@@ -111,6 +115,31 @@ def labels_from_array(arr: np.ndarray, source: str) -> np.ndarray:
     else:
         raise DatasetError(f"{source}: labels have dtype {arr.dtype}; expected integers")
     return y
+
+
+def multilabel_from_array(arr: np.ndarray, source: str) -> np.ndarray:
+    """Multi-label targets ``N x C`` (bool, integer or float) as int64 0/1, an unlabelled entry
+    (NaN, or -1 in integer input, as OGB and single labels mark them) as -1; any other value is
+    refused in one line."""
+    arr = np.asarray(arr)
+    if arr.ndim != 2 or arr.shape[1] < 1:
+        raise DatasetError(f"{source}: multi-label targets have shape {arr.shape}; expected N x C with C >= 1")
+    if arr.dtype.kind == "b":
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        filled = np.where(np.isnan(arr), -1.0, arr)
+    elif arr.dtype.kind in "iu":
+        filled = arr
+    else:
+        raise DatasetError(f"{source}: multi-label targets have dtype {arr.dtype}; expected 0/1 numbers or booleans")
+    bad = (filled != 0) & (filled != 1) & (filled != -1)
+    if bad.any():
+        i, j = (int(v) for v in np.argwhere(bad)[0])
+        raise DatasetError(
+            f"{source}: multi-label target of vertex {i}, task {j} is {arr[i, j].item()!r}; "
+            "each target must be 0 or 1 (NaN: unlabelled)"
+        )
+    return filled.astype(np.int64)
 
 
 def index_mask(idx: Any, num_nodes: int, source: str) -> torch.Tensor:
@@ -129,33 +158,66 @@ def index_mask(idx: Any, num_nodes: int, source: str) -> torch.Tensor:
 
 
 def labelled_only(masks: dict[str, torch.Tensor], y: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
-    """Remove unlabelled vertices (label -1) from each mask; also return how many were removed."""
+    """Remove unlabelled vertices (label -1; multi-label: every target -1) from each mask; also
+    return how many were removed."""
+    unlabelled = (y < 0).all(1) if y.dim() == 2 else y < 0
     dropped = 0
     out = {}
     for k, m in masks.items():
-        bad = m & (y < 0)
+        bad = m & unlabelled
         dropped += int(bad.sum())
         out[k] = m & ~bad
     return out, dropped
 
 
+#: the seeded split of multi-label vertices when a file carries none: train, validation (rest: test)
+MULTILABEL_SPLIT = (0.6, 0.2)
+
+
 def default_split(y: torch.Tensor, num_classes: int, seed: int) -> dict[str, torch.Tensor]:
-    """The seeded 20-train / 30-val per-class split used when a file carries no split."""
+    """The seeded 20-train / 30-val per-class split used when a file carries no split; of
+    multi-label targets (``N x C``), a seeded random :data:`MULTILABEL_SPLIT` of the labelled vertices."""
+    if y.dim() == 2:
+        return _multilabel_split(y, seed)
     if not bool((y >= 0).any()):
         return {}
     return dict(zip(MASKS, stratified_split(y, num_classes, 20, 30, seed), strict=True))
 
 
-def announce_split(split: dict[str, torch.Tensor], seed: int, source: str) -> None:
+def _multilabel_split(y: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    labelled = np.flatnonzero((y >= 0).any(1).numpy())
+    if labelled.size == 0:
+        return {}
+    order = np.random.default_rng(seed).permutation(labelled)
+    n_train = max(1, round(MULTILABEL_SPLIT[0] * order.size))
+    n_val = round(MULTILABEL_SPLIT[1] * order.size)
+    out = {}
+    for k, part in zip(
+        MASKS, (order[:n_train], order[n_train : n_train + n_val], order[n_train + n_val :]), strict=True
+    ):
+        m = torch.zeros(y.shape[0], dtype=torch.bool)
+        m[torch.from_numpy(part)] = True
+        out[k] = m
+    return out
+
+
+def announce_split(split: dict[str, torch.Tensor], seed: int, source: str, multilabel: bool = False) -> None:
     """Log (INFO, on the ``tessera`` logger the CLI prints to stderr) that ``source`` had no split
     and got the seeded :func:`default_split` ``split``."""
     if not split:
         return
     sizes = " / ".join(str(int(split[k].sum())) for k in MASKS)
-    msg = (
-        "no split given for the labels in %s: using a seeded one (seed %d) of 20 training and 30 validation "
-        "vertices per class, the rest for testing (train / val / test: %s)"
-    )
+    if multilabel:
+        train, val = (round(100 * f) for f in MULTILABEL_SPLIT)
+        msg = (
+            "no split given for the multi-label targets in %s: using a seeded random one (seed %d) of "
+            f"{train}%% training and {val}%% validation vertices, the rest for testing (train / val / test: %s)"
+        )
+    else:
+        msg = (
+            "no split given for the labels in %s: using a seeded one (seed %d) of 20 training and 30 validation "
+            "vertices per class, the rest for testing (train / val / test: %s)"
+        )
     held = _deferred.get()
     if held is not None:
         held.append((msg, (source, seed, sizes)))
@@ -166,16 +228,23 @@ def announce_split(split: dict[str, torch.Tensor], seed: int, source: str) -> No
 def label_data(
     y: np.ndarray, masks: dict[str, torch.Tensor] | None, seed: int, source: str, declared: int | None = None
 ) -> dict[str, Any]:
-    """Node data of labels ``y``: ``y``, ``num_classes`` (see :func:`check_classes`) and the split,
-    either the stored ``masks`` without unlabelled vertices or, where ``masks`` is None, the seeded
-    :func:`default_split`."""
-    c = check_classes(y, source, declared)
+    """Node data of labels ``y``: ``y``, ``num_classes`` (see :func:`check_classes`; of
+    multi-label targets ``N x C``, the C tasks) and the split, either the stored ``masks`` without
+    unlabelled vertices or, where ``masks`` is None, the seeded :func:`default_split`."""
+    if y.ndim == 2:
+        c = int(y.shape[1])
+        if declared is not None and declared != c:
+            raise DatasetError(
+                f"{source}: the file names {declared} classes but its multi-label targets have {c} tasks"
+            )
+    else:
+        c = check_classes(y, source, declared)
     yt = torch.from_numpy(y)
     if masks is not None:
         split = labelled_only(masks, yt)[0]
     else:
         split = default_split(yt, c, seed)
-        announce_split(split, seed, source)
+        announce_split(split, seed, source, multilabel=y.ndim == 2)
     return {"y": yt, "num_classes": c, **split}
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tessera.errors import DatasetError
-from tessera.graph.formats._common import MASKS, announce_split, default_split
+from tessera.graph.formats._common import MASKS, announce_split, default_split, multilabel_from_array
 from tessera.graph.formats._limits import check_vertex_count
 from tessera.graph.graph import Graph
 
@@ -45,11 +45,8 @@ def _from_fields(data: Any, name: str, source: str = "PyG data") -> Graph:
     if y is not None:
         if y.dim() == 2 and y.size(1) == 1:  # OGB stores labels as (N, 1)
             y = y.view(-1)
-        elif y.dim() == 2:
-            raise DatasetError(
-                f"{source}: y has shape {tuple(y.shape)} (multi-label targets); multi-label node classification "
-                "is not supported yet: give one class id per vertex"
-            )
+        elif y.dim() == 2:  # multi-label targets (N x C 0/1, as ogbn-proteins): checked and made int64 here
+            y = torch.from_numpy(multilabel_from_array(y.detach().cpu().numpy(), f"{source}: y"))
         node["y"] = y
     n = int(data.num_nodes)
     backed = [len(v) for v in (node.get("x"), node.get("y")) if v is not None]
@@ -250,6 +247,6 @@ def load_pt(path: str | Path, *, seed: int = 0, name: str | None = None) -> Grap
     g = _from_fields(_Fields(d), name or path.stem, source)
     if g.y is not None and all(getattr(g, m) is None for m in MASKS):
         split = default_split(g.y, g.num_classes or 0, seed)
-        announce_split(split, seed, source)
+        announce_split(split, seed, source, multilabel=g.multilabel)
         g = g.replace(**split)
     return g
