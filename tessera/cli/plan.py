@@ -127,7 +127,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         label_classes=int(g.num_classes) if cfg.label_prop > 0 else 0,
     )  # fmt: skip
     if any(s.edge_values for s in model.describe()):
-        raise ConfigError(f"--model {cfg.model} runs under partition parallelism only; there is nothing to plan")
+        raise ConfigError(
+            f"--model {cfg.model} computes per-edge values (attention), which the planner does not model: "
+            "--strategy auto runs it under partition parallelism, and --strategy partition or tensor choose by hand"
+        )
     options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages)
     probe = model_probe(model, cfg)
     factor = float("inf") if args.measure_all else args.prune

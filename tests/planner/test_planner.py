@@ -160,6 +160,14 @@ def test_plan_model_only_lists_hybrid_candidates(capsys):
         assert {"hybrid:2:post:32", "hybrid:2:pre:32", "hybrid:2:prepost:32"} <= labels
 
 
+def test_plan_of_an_attention_model_names_the_strategies_that_run_it(capsys):
+    from tessera.cli.main import main
+
+    assert main(["plan", "--dataset", "synthetic:tiny", "--model", "gat", "--nprocs", "2", "--model-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "planner does not model" in err[0] and "--strategy partition or tensor" in err[0], err
+
+
 def test_rank_grouping_terms_and_memory_limit():
     g = load("synthetic:tiny")
     indptr, indices = g.indptr.numpy(), g.indices.numpy()
