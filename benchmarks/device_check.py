@@ -48,7 +48,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LOSS_MODELS = ("gcn", "sage", "gin", "gat", "rgcn", "sage-lstm")
 TRAIN_MODELS = ("gcn", "sage", "gat", "gin")  # the goal of issue 43 is on the first three
-FRAMEWORKS = ("tessera", "pyg-edge_index", "pyg-csr")
+FRAMEWORKS = ("tessera", "pyg-edge_index", "pyg-csr", "tessera-mixture")
+# tessera-mixture: --aggregate-on cpu (MixGCN's mixture of accelerators: CPU aggregation, GPU update)
+MIXTURE_MODELS = ("gcn", "sage", "gin")
 MIN_CELL_S = 5.0  # a cell is not started with less than this left of the budget
 KILL_GRACE_S = 3.0
 RESTART_RC = 3  # a child's exit status after an error that spoils the CUDA context: start a fresh one
@@ -189,6 +191,8 @@ def cmd_losses(a: argparse.Namespace) -> int:
     doc.update(dataset=a.dataset, steps=a.steps, backend=a.backend, bar_rel=LOSS_BAR, cells=[])
     _write_json(out, doc)
     cells = [{"id": f"losses/{m}", "model": m} for m in a.models]
+    # the mixture of accelerators on the device against the same one-process CPU run
+    cells += [{"id": f"losses/mixture-{m}", "model": m, "aggregate_on": "cpu"} for m in a.models if m in MIXTURE_MODELS]
     common = {"device": a.device, "dataset": a.dataset, "steps": a.steps, "backend": a.backend, "hidden": a.hidden}
     try:
         run_cells("losses", cells, common, doc, out, deadline, a.cell_timeout_s)
@@ -231,7 +235,12 @@ def cmd_train(a: argparse.Namespace) -> int:
         doc["graph"] = {"spec": a.graph, "error": f"{type(e).__name__}: {e}"}
     _write_json(out, doc)
     # interleaved per model: a budget that runs out leaves whole models, each beside its peers
-    cells = [{"id": f"{fw}/{m}", "framework": fw, "model": m} for m in a.models for fw in a.frameworks]
+    # interleaved per model (the mixture's cells last: they are the extra, not the goal)
+    plain = [fw for fw in a.frameworks if fw != "tessera-mixture"]
+    cells = [{"id": f"{fw}/{m}", "framework": fw, "model": m} for m in a.models for fw in plain]
+    if "tessera-mixture" in a.frameworks:
+        cells += [{"id": f"tessera-mixture/{m}", "framework": "tessera-mixture", "model": m}
+                  for m in a.models if m in MIXTURE_MODELS]  # fmt: skip
     common = {**settings, "device": a.device}
     try:
         run_cells("train", cells, common, doc, out, deadline, a.cell_timeout_s)
@@ -257,7 +266,7 @@ def _train_summary(cells: list[dict[str, Any]], models: list[str], frameworks: l
             row[f"{fw}_peak_mib"] = c.get("peak_mib") if ok else None
             if not ok:
                 row[f"{fw}_status"] = "missing" if c is None else c.get("status")
-        peers = [row[f"{fw}_ms"] for fw in frameworks if fw != "tessera" and row.get(f"{fw}_ms")]
+        peers = [row[f"{fw}_ms"] for fw in frameworks if fw.startswith("pyg") and row.get(f"{fw}_ms")]
         if row.get("tessera_ms") and peers:
             row["tessera_over_best_pyg"] = round(row["tessera_ms"] / min(peers), 3)
         rows.append(row)
@@ -351,7 +360,9 @@ def _timed_epochs(step, device, warmup: int, epochs: int, deadline: float) -> di
     }
 
 
-def _trainer(dataset: str, model: str, device: str, backend: str, c: dict[str, Any], out: str):
+def _trainer(
+    dataset: str, model: str, device: str, backend: str, c: dict[str, Any], out: str, aggregate_on: str = "device"
+):
     from tessera.datasets import load
     from tessera.train.config import TrainConfig
     from tessera.train.loop import Trainer
@@ -359,7 +370,7 @@ def _trainer(dataset: str, model: str, device: str, backend: str, c: dict[str, A
     cfg = TrainConfig(
         dataset=dataset, model=model, hidden=c["hidden"], layers=c.get("layers", 2), heads=c.get("heads", 2),
         dropout=c.get("dropout", 0.5), lr=0.01, weight_decay=5e-4, seed=0, device=device, backend=backend,
-        reorder="none", progress=False, out=out, checkpoint_every=10**6,
+        reorder="none", progress=False, out=out, checkpoint_every=10**6, aggregate_on=aggregate_on,
     )  # fmt: skip
     return Trainer(cfg.validate(), load(dataset))
 
@@ -371,9 +382,12 @@ def _loss_cell(cell: dict[str, Any], c: dict[str, Any], deadline: float) -> dict
     setups: dict[str, str] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for label, device, backend in (("cpu", "cpu", "auto"), ("device", c["device"], c["backend"])):
-            t = _trainer(dataset, model, device, backend, c, f"{tmp}/{label}")
-            setups[label] = f"{t.device} backend={backend}"
+        side = cell.get("aggregate_on", "device")
+        for label, device, backend, on in (
+            ("cpu", "cpu", "auto", "device"), ("device", c["device"], c["backend"], side)
+        ):  # fmt: skip
+            t = _trainer(dataset, model, device, backend, c, f"{tmp}/{label}", on)
+            setups[label] = f"{t.device} backend={backend} aggregate_on={on}"
             runs[label] = [t.train_step() for _ in range(c["steps"])]
             del t
     rel = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(runs["device"], runs["cpu"], strict=True))
@@ -384,18 +398,23 @@ def _loss_cell(cell: dict[str, Any], c: dict[str, Any], deadline: float) -> dict
     }  # fmt: skip
 
 
-def _tessera_cell(model: str, c: dict[str, Any], deadline: float) -> dict[str, Any]:
+def _tessera_cell(model: str, c: dict[str, Any], deadline: float, aggregate_on: str = "device") -> dict[str, Any]:
     import torch
 
     device = torch.device(c["device"])
     base = _memory_start(device)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        t = _trainer(c["graph"], model, c["device"], c["backend"], c, tmp)
+        t = _trainer(c["graph"], model, c["device"], c["backend"], c, tmp, aggregate_on)
         _sync(device)
         setup_s = time.perf_counter() - t0
         res = _timed_epochs(t.train_step, device, c["warmup"], c["epochs"], deadline)
-        info = {"device": str(t.device), "x_dtype": str(t.x.dtype), "backend": c["backend"]}
+        info = {
+            "device": str(t.device),
+            "x_dtype": str(t.x.dtype),
+            "backend": c["backend"],
+            "aggregate_on": aggregate_on,
+        }
         del t
     return {
         "status": "ok",
@@ -519,6 +538,8 @@ def child(spec: dict[str, Any], lines: Path) -> int:
                     rec.update(_loss_cell(cell, c, stop))
                 elif cell["framework"] == "tessera":
                     rec.update(_tessera_cell(cell["model"], c, stop))
+                elif cell["framework"] == "tessera-mixture":
+                    rec.update(_tessera_cell(cell["model"], c, stop, aggregate_on="cpu"))
                 else:
                     rec.update(_pyg_cell(cell["framework"], cell["model"], c, stop))
             except Exception as e:

@@ -6,10 +6,12 @@
 #
 # Writes into OUTDIR:
 #   env.txt           nvidia-smi, CPU, torch / CUDA / triton / PyG / numba versions, commit, source hash
-#   cuda_vs_cpu.json  losses of 3 steps (dropout 0.5) on CUDA and on the CPU, six models, synthetic:small
+#   cuda_vs_cpu.json  losses of 3 steps (dropout 0.5) on CUDA and on the CPU, six models, synthetic:small,
+#                     and the mixture of accelerators' against the CPU's for GCN / SAGE / GIN
 #   pytest_cuda.txt   pytest -m cuda tests/test_cuda.py, then tests/backends/test_triton.py on CUDA tensors
 #   train_gpu.json    tessera vs PyG on the GPU, synthetic:products, GCN / SAGE / GAT / GIN: median epoch
-#   train_gpu.md      (10 after 2 warm-up) and peak GPU memory; the same as a table
+#   train_gpu.md      (10 after 2 warm-up) and peak GPU memory; the same as a table; and the mixture of
+#                     accelerators (--aggregate-on cpu: CPU aggregation, GPU update) for GCN / SAGE / GIN
 #   kernel_choices.json  the backends tessera's auto measured and chose (its decision cache)
 #   logs/             each driver child's output;   README.txt  what ran, each section's exit and time
 #
@@ -97,8 +99,9 @@ section() {
 cat >"$OUT/README.txt" <<EOF
 benchmarks/device_check.sh $([[ $DRY == 1 ]] && echo "--dry-run (CPU only, tiny sizes: no figure here is a GPU's)")
 started $(date -u +%FT%TZ) on ${HOSTNAME:-$(uname -n)}, commit $DEVICE_CHECK_COMMIT, python $PY
-Mixture of accelerators (MixGCN: aggregation on the CPU, update on the GPU) against GPU-only: NOT
-measured. tessera does not implement it yet (issue 43), so this check has nothing to compare.
+Mixture of accelerators (MixGCN: aggregation on the CPU, update on the GPU, --aggregate-on cpu)
+against GPU-only: the tessera-mixture cells of train_gpu.json (GCN, SAGE, GIN) and the
+losses/mixture-* cells of cuda_vs_cpu.json.
 EOF
 if ! "$PY" -c "import pytest" >/dev/null 2>&1; then
     echo "pytest is not importable by $PY: the test sections fail (see the header of device_check.sh)" >>"$OUT/README.txt"

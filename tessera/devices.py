@@ -2,8 +2,9 @@
 resolved once at set-up into a :class:`torch.device`.
 
 ``auto`` takes this process's GPU when there is one (under ``torchrun`` or ``--nprocs``, rank
-``LOCAL_RANK``'s) and the CPU otherwise; ``cuda`` means the same GPU without the fallback;
-``cuda:N`` names one. Asking for a GPU the node lacks is a one-line :class:`ConfigError`."""
+``LOCAL_RANK``'s, when the node has one for each of its ranks) and the CPU otherwise; ``cuda``
+means the same GPU without the fallback; ``cuda:N`` names one (one process only). Asking for a
+GPU the node lacks is a one-line :class:`ConfigError`."""
 
 from __future__ import annotations
 
@@ -59,16 +60,32 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def training_device(setting: str, distributed: bool) -> torch.device:
+def local_world_size() -> int:
+    """How many ranks of this job run on this node: ``LOCAL_WORLD_SIZE`` (torchrun, ``--nprocs``), else 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def training_device(setting: str, distributed: bool, ranks_here: int | None = None) -> torch.device:
     """The device a training process puts its tensors on: :func:`resolve_device`'s for one
-    process; the CPU for a distributed run or one on part files, whose exchanges run on the CPU
-    (``auto`` falls back to it, an explicit GPU is refused)."""
+    process. In a distributed run (or one on part files) each rank takes its own GPU,
+    ``cuda:LOCAL_RANK``: ``cuda`` asks for that, ``auto`` takes it when this node has a GPU for
+    each of its ``ranks_here`` ranks (default ``LOCAL_WORLD_SIZE``) and the CPU otherwise, and
+    ``cuda:N`` (one GPU for every rank) is refused."""
     check_device_setting(setting)
     if not distributed:
         return resolve_device(setting)
-    if setting not in ("auto", "cpu"):
+    here = local_world_size() if ranks_here is None else ranks_here
+    if setting == "cpu" or (setting == "auto" and cuda_count() < here):
+        return torch.device("cpu")
+    if ":" in setting:
         raise ConfigError(
-            f"--device {setting}: distributed training (--nprocs, torchrun, --parts-dir) runs on the CPU; "
-            "one process trains on a GPU: use --nprocs 1 for the GPU, or --device cpu"
+            f"--device {setting}: in distributed training each rank takes its own GPU (cuda:LOCAL_RANK); "
+            "use --device cuda"
         )
-    return torch.device("cpu")
+    count = cuda_count()
+    if count < here:
+        raise ConfigError(
+            f"--device {setting}: {here} ranks on this node need a GPU each, but it has {count}; "
+            "start at most that many ranks per node, or use --device cpu"
+        )
+    return resolve_device("cuda")

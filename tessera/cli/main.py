@@ -103,6 +103,18 @@ def _parser() -> argparse.ArgumentParser:
         help="auto | cpu | cuda | cuda:N: where the graph, model and training step live "
         "(default auto: this process's GPU when there is one, else the CPU)",
     )
+    t.add_argument(
+        "--aggregate-on",
+        help="device | cpu | auto: where each layer's aggregation runs; cpu keeps the update on --device and "
+        "aggregates on this host's CPU, pipelined (MixGCN's mixture of accelerators; GCN, SAGE, GIN); auto "
+        "picks by a model of rates measured at set-up (default device)",
+    )
+    t.add_argument(
+        "--mixture-stages",
+        type=int,
+        help="--aggregate-on cpu|auto: row batches the CPU's aggregation and the device's update overlap in "
+        "(default 4)",
+    )
     t.add_argument("--feature-norm", help="auto | row | none (default auto: row-normalise non-negative features)")
     t.add_argument(
         "--out",
@@ -209,7 +221,8 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     flags = {k: v for k, v in vars(args).items() if k in FIELDS}
     cfg = make_config(read_toml(args.config) if args.config else {}, flags)
     # a device this machine lacks is refused before anything is loaded, launched or written
-    training_device(cfg.device, cfg.nprocs > 1 or env_world_size() > 1 or cfg.parts_dir is not None)
+    distributed = cfg.nprocs > 1 or env_world_size() > 1 or cfg.parts_dir is not None
+    training_device(cfg.device, distributed, cfg.nprocs if env_world_size() <= 1 and cfg.nprocs > 1 else None)
     if cfg.tensorboard:
         tensorboard_writer_class()
     where = run_dir(cfg)

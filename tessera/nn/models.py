@@ -23,6 +23,9 @@ class GNN(nn.Module):
     """``num_layers`` convolutions; optional LayerNorm and dropout before each, ReLU (ELU for GAT)
     between them; optionally a label embedding for masked label propagation (SuperGCN §2.5)."""
 
+    #: where the caller keeps the input features: None, the device the model is on
+    input_device: torch.device | None = None
+
     def __init__(
         self,
         convs: list[GraphConv],

@@ -59,8 +59,9 @@ class SourceGather:
         self._matrices: dict[bool, CSRMatrix] = {}
         self._typed = typed
         self._typed_matrix: CSRMatrix | None = None
-        # In post mode every sent row is one owned row: S is a selection matrix.
-        self.send_rows = torch.from_numpy(plan.S.indices.astype(np.int64))
+        # In post mode every sent row is one owned row: S is a selection matrix. It indexes the
+        # step's rows, on the group's device; the received ids key per-edge draws, made on the host.
+        self.send_rows = torch.from_numpy(plan.S.indices.astype(np.int64)).to(exchange.comm.device)
         self.recv_ids = torch.from_numpy(plan.recv_src.astype(np.int64))
 
     def in_edges(self, self_loops: bool) -> CSRMatrix:

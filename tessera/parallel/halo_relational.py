@@ -70,9 +70,11 @@ class PairExchange:
         # every distinct pair sent, ordered by relation: transformed once however many peers need it
         first, sent_pair = distinct_pairs(plan.send_rel, plan.send_src, np.zeros_like(plan.send_src))
         rel = plan.send_rel[first]
-        self.pair_src = torch.from_numpy(plan.send_src[first])
+        # the step's row selections live on the group's device; the segment bounds are read on the host
+        device = exchange.comm.device
+        self.pair_src = torch.from_numpy(plan.send_src[first]).to(device)
         self.pair_ptr = torch.from_numpy(np.searchsorted(rel, np.arange(r + 1)).astype(np.int64))
-        self.sent_pair = torch.from_numpy(sent_pair)
+        self.sent_pair = torch.from_numpy(sent_pair).to(device)
 
     def remote(self, reduce: str) -> Operand:
         """The received pair rows -> owned rows, each edge's entry its factor under ``reduce``."""

@@ -15,16 +15,21 @@ REDUCES = ("sum", "mean")
 _inv_degree = PlanCache()
 
 
-def inv_in_degree(operand: Operand | CSRStructure, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``1 / in_degree`` per output row, 0 for rows without in-edges (PyG's scatter-mean)."""
+def inv_in_degree(
+    operand: Operand | CSRStructure, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> torch.Tensor:
+    """``1 / in_degree`` per output row, 0 for rows without in-edges (PyG's scatter-mean), on
+    ``device`` (default: the degrees' own, the host's), made there once."""
     a = as_operand(operand)
+    degree = a.in_degree()
+    where = degree.device if device is None else torch.device(device)
 
     def make() -> torch.Tensor:
-        d = a.in_degree().to(dtype)
-        return torch.where(d > 0, 1.0 / d.clamp(min=1), torch.zeros_like(d))
+        d = degree.to(dtype)
+        return torch.where(d > 0, 1.0 / d.clamp(min=1), torch.zeros_like(d)).to(where)
 
     # keyed by the degree tensor, which every variant of one operand shares
-    return _inv_degree.get(a.in_degree(), dtype, make)
+    return _inv_degree.get(degree, (dtype, where), make)
 
 
 def scale_rows(t: torch.Tensor, s: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,5 +137,5 @@ def aggregate(
         )
     if self_weight and a.row_vertices is None and a.num_rows != a.num_cols:
         raise ValueError(f"self_weight needs as many output rows as input rows, got {a.num_rows} and {a.num_cols}")
-    row_scale = inv_in_degree(a, x.dtype) if reduce == "mean" else None
+    row_scale = inv_in_degree(a, x.dtype, x.device) if reduce == "mean" else None
     return AggregateFn.apply(x, weight, a, row_scale, None, grad_mask, float(self_weight))

@@ -25,12 +25,12 @@ from tessera.sparse.aggregate import AggregateFn, aggregate, check_reduce, inv_i
 from tessera.sparse.operand import Operand, as_operand
 
 
-def _row_scale(a: Operand, reduce: str, scale: float, dtype: torch.dtype) -> torch.Tensor | None:
+def _row_scale(a: Operand, reduce: str, scale: float, x: torch.Tensor) -> torch.Tensor | None:
     if reduce == "mean":
-        s = inv_in_degree(a, dtype)
+        s = inv_in_degree(a, x.dtype, x.device)
         return s if scale == 1.0 else s * scale
     if scale != 1.0:
-        return torch.full((a.num_rows,), float(scale), dtype=dtype)
+        return torch.full((a.num_rows,), float(scale), dtype=x.dtype, device=x.device)
     return None
 
 
@@ -77,7 +77,7 @@ def masked_aggregate(
     check_reduce(reduce)
     a = as_operand(operand, backend)
     _check(a, x, mask, weight, a.num_rows, a.num_cols)
-    row_scale = _row_scale(a, reduce, scale, x.dtype)
+    row_scale = _row_scale(a, reduce, scale, x)
     return AggregateFn.apply(x, weight, a, row_scale, mask.detach(), None)
 
 

@@ -41,6 +41,8 @@ class TrainConfig:
     threads: int | None = None
     backend: str = "auto"
     device: str = "auto"
+    aggregate_on: str = "device"
+    mixture_stages: int = 4
     feature_norm: str = "auto"
     out: str | None = None
     resume: bool = False
@@ -116,6 +118,7 @@ class TrainConfig:
                 raise ConfigError(msg)
         check_device_setting(self.device)
         check_precision(self)
+        check_aggregate_on(self)
         split_variant(self.rgcn_variant)  # a gTask restriction that does not parse fails here
         parse_strategy(self.strategy, self.layers)  # auto, one entry, or one per layer
         if self.strategy == "hybrid" and self.nprocs > 1:
@@ -136,6 +139,7 @@ class TrainConfig:
         for name, value in self.to_dict().items():
             # a strategy's setting at its default is left out: given, it is refused where no layer reads it
             unread = name in STRATEGY_FLAGS and value == getattr(defaults, name)
+            unread = unread or (name == "mixture_stages" and self.aggregate_on == "device")
             if name not in NOT_IN_TOML and value is not None and not unread:
                 lines.append(f"{name.replace('_', '-')} = {_toml_value(value)}")
         return "\n".join(lines) + "\n"
@@ -179,6 +183,29 @@ def check_precision(cfg: TrainConfig) -> None:
             raise ConfigError(f"--precision bf16 is not available with {what}: {fix}, or --precision fp32")
 
 
+#: the models whose layers split into a host aggregation and a row-wise update (tessera.nn.mixture)
+MIXTURE_MODELS = ("gcn", "sage", "gin")
+
+
+def check_aggregate_on(cfg: TrainConfig) -> None:
+    """Raise :class:`ConfigError` for an ``--aggregate-on`` the other settings cannot run."""
+    if cfg.aggregate_on not in ("device", "cpu", "auto"):
+        raise ConfigError(f"--aggregate-on must be device, cpu or auto, got {cfg.aggregate_on!r}")
+    if cfg.aggregate_on == "device":
+        return
+    refusals = [
+        (cfg.nprocs > 1, f"--nprocs {cfg.nprocs}", "train on one process (--nprocs 1)"),
+        (cfg.model.lower() not in MIXTURE_MODELS, f"--model {cfg.model}", f"use --model {', '.join(MIXTURE_MODELS)}"),
+        (cfg.norm != "none", f"--norm {cfg.norm}", "use --norm none"),
+        (cfg.label_prop > 0, "--label-prop", "drop --label-prop"),
+        (cfg.precision != "fp32", f"--precision {cfg.precision}", "use --precision fp32"),
+        (cfg.s_spmm, "--s-spmm", "drop --s-spmm"),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise ConfigError(f"--aggregate-on {cfg.aggregate_on} is not available with {what}: {fix}")
+
+
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # Integer settings: (lowest, highest, why the bound). The caps keep a typo from asking for absurd
 # memory or processes before anything checks it.
@@ -193,6 +220,7 @@ INT_RANGES: dict[str, tuple[int, int, str]] = {
     "checkpoint_every": (1, 10**9, ""),
     "nprocs": (1, 1024, ""),
     "pipeline_stages": (1, 1024, ""),
+    "mixture_stages": (1, 64, ""),
     "num_bases": (1, 4096, ""),
     "num_blocks": (1, 4096, ""),
     "groups": (1, 1024, ""),
@@ -289,6 +317,11 @@ def make_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Tra
         setattr(cfg, k, typed(k, v))
     cfg.validate()
     check_strategy_flags(cfg, merged)
+    if "mixture_stages" in merged and cfg.aggregate_on == "device":
+        raise ConfigError(
+            "--mixture-stages pipelines the CPU's aggregation with the device's update; it needs "
+            "--aggregate-on cpu or auto"
+        )
     return cfg
 
 

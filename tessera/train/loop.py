@@ -31,6 +31,8 @@ from tessera.files import atomic_write, remove_stale_temps, write_json
 from tessera.graph import Graph
 from tessera.memo import tuning
 from tessera.nn.loss import bce_rows, cross_entropy_rows
+from tessera.nn.mixture import MixtureGNN
+from tessera.nn.models import GNN
 from tessera.threads import set_num_threads
 from tessera.train.checkpoint import (
     check_contents,
@@ -41,6 +43,7 @@ from tessera.train.checkpoint import (
 )
 from tessera.train.config import FIELDS, TrainConfig, read_toml
 from tessera.train.evaluate import mean_rocauc
+from tessera.train.mixture import placed_model
 from tessera.train.optim import Adam
 from tessera.train.progress import progress
 from tessera.train.setup import prepare
@@ -298,7 +301,8 @@ class Trainer:
         self.cfg = cfg
         self.files = files
         distributed = comm is not None and comm.world > 1 or not isinstance(graph, Graph)
-        self.device = training_device(cfg.device, distributed)
+        # a rank of a group computes where its group's collectives run
+        self.device = comm.device if comm is not None and comm.world > 1 else training_device(cfg.device, distributed)
         self.comm = comm or single_process(self.device)
         self.is_main = self.comm.rank == 0
         if cfg.threads:
@@ -321,12 +325,16 @@ class Trainer:
             run = prepare(
                 cfg, graph, self.comm, None if self._resume is None else (self.out / CHECKPOINT, self._resume)
             )
-        self.model, self.operands, self.order, self.counts = run.model, run.operands, run.order, run.counts
+        self.operands, self.order, self.counts = run.operands, run.order, run.counts
         shard = run.shard
         # set-up ran on the CPU; the model and the step's tensors now move to the run's device once
         # (an operand's structure is copied there by its backend on the first product)
-        self.model.to(self.device)
-        self.x, self.y, self.global_ids = run.x.to(self.device), shard.y.to(self.device), shard.ids
+        run.model.to(self.device)
+        self.gnn = run.model  # the layers and weights, however the run executes them
+        # the model as it runs: on the device, or aggregating on the host beside it (--aggregate-on)
+        self.model: GNN | MixtureGNN = placed_model(cfg, run.model, self.operands[0], self.device)
+        x_device = self.model.input_device or self.device  # a mixture reads its input on the host
+        self.x, self.y, self.global_ids = run.x.to(x_device), shard.y.to(self.device), shard.ids
         # Random draws are keyed by global vertex id; rows in their own order need no ids.
         identity = shard.ids.numel() == shard.num_nodes and torch.equal(shard.ids, torch.arange(shard.num_nodes))
         self.row_ids = None if identity else shard.ids.to(self.device)
@@ -518,7 +526,7 @@ class Trainer:
                 f"checkpoint in {self.out} was written by a run measured by {METRIC_NAMES[checkpoint_metric(ckpt)]}, "
                 f"but this graph's targets are measured by {METRIC_NAMES[self.metric]}; use another --out or drop --resume"
             )
-        check_contents(ckpt, path, self.model, self.opt)
+        check_contents(ckpt, path, self.gnn, self.opt)
         self.model.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
@@ -716,8 +724,8 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
         part = load_part(cfg.parts_dir, rank, expect_parts=world)
     comm = single_process()
     try:
-        if world > 1:
-            comm = init_from_env(cfg.timeout)
+        if world > 1:  # each rank on its own GPU (cuda:LOCAL_RANK) or on the CPU, as --device says
+            comm = init_from_env(cfg.timeout, training_device(cfg.device, True))
         source = graph if part is None else part
         assert source is not None  # the graph loaded above, unless part files were given
         result = Trainer(cfg, source, comm).fit()

@@ -21,10 +21,8 @@ NO_GPU = not torch.cuda.is_available()
         (["--device", "cuda:1"], "--device cuda:1: this machine has no CUDA device"),
         (["--device", "gpu"], "--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
         (["--device", "cpu:0"], "--device must be auto, cpu, cuda or cuda:N, got 'cpu:0'"),
-        (
-            ["--device", "cuda", "--nprocs", "2"],
-            "distributed training (--nprocs, torchrun, --parts-dir) runs on the CPU",
-        ),
+        (["--device", "cuda", "--nprocs", "2"], "--device cuda: 2 ranks on this node need a GPU each, but it has 0"),
+        (["--device", "cuda:1", "--nprocs", "2"], "each rank takes its own GPU (cuda:LOCAL_RANK); use --device cuda"),
     ],
 )
 def test_a_device_this_machine_lacks_is_one_line_exit_2_and_no_files(tmp_path, capsys, argv, message):
@@ -69,3 +67,22 @@ def test_settings_resolve_as_documented(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     with pytest.raises(ConfigError, match=r"local rank 3 \(--device cuda\) asks for CUDA device 3"):
         resolve_device("cuda")
+
+
+def test_each_rank_of_a_distributed_run_takes_its_own_gpu(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert training_device("auto", distributed=True) == torch.device("cpu")  # no GPU here
+    monkeypatch.setattr("tessera.devices.cuda_count", lambda: 1)
+    assert training_device("auto", distributed=True) == torch.device("cpu")  # one GPU, two ranks: the CPU
+    with pytest.raises(ConfigError, match="2 ranks on this node need a GPU each, but it has 1"):
+        training_device("cuda", distributed=True)
+    monkeypatch.setattr("tessera.devices.cuda_count", lambda: 2)
+    assert training_device("auto", distributed=True) == training_device("cuda", True) == torch.device("cuda", 1)
+    assert training_device("cpu", distributed=True) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="each rank takes its own GPU"):
+        training_device("cuda:0", distributed=True)
+    # the launcher checks before it starts its ranks, for the ranks it will start
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ConfigError, match="4 ranks on this node need a GPU each, but it has 2"):
+        training_device("cuda", distributed=True, ranks_here=4)

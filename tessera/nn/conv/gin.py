@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from tessera import dense, sparse
+from tessera.memo import TensorMemo
 from tessera.nn.conv._util import InputAggregate, finish, target_aggregate
 from tessera.nn.conv.base import Fusion, GraphConv, LayerHints
 from tessera.nn.mlp import MLP
 from tessera.sparse import GraphOperand, LayerSpec, Operand, as_operand
 from tessera.sparse.rows import take_rows
+
+_eps_values: TensorMemo[float] = TensorMemo()  # a fixed eps buffer's value, per tensor and version
 
 
 class GINConv(GraphConv):
@@ -31,6 +34,11 @@ class GINConv(GraphConv):
                 m.reset_parameters()  # type: ignore[operator]  # a module of the user's MLP
         self.eps.data.fill_(self.initial_eps)
 
+    def fixed_eps(self) -> float:
+        """A fixed eps as a Python float, read from its buffer once per value (on a GPU each read
+        would wait for the device)."""
+        return _eps_values.get(self.eps, lambda: float(self.eps))
+
     def forward(self, x: torch.Tensor, graph: GraphOperand, hints: LayerHints | None = None) -> torch.Tensor:
         """Apply the convolution to node features ``x`` (of the hints, ``input_grad_mask``)."""
         hints = hints or LayerHints()
@@ -42,13 +50,13 @@ class GINConv(GraphConv):
             out = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum"))
             h = out + dense.cast_like(x, 1 + self.eps) * x  # not in place: the aggregate is kept
         elif hints.constant_input:  # a fixed eps: the root term is constant too, and kept with the sum
-            w = 1.0 + float(self.eps)
+            w = 1.0 + self.fixed_eps()
             h = self._input_aggregate(graph, x, lambda: sparse.aggregate(a, x, "sum", self_weight=w), w)
         elif isinstance(self.eps, torch.nn.Parameter):
             # eps (float32) in x's dtype: a bfloat16 x would otherwise be promoted to float32
             h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask) + dense.cast_like(x, 1 + self.eps) * x
         else:  # the root term inside the aggregation, in place both ways: no N x F temporaries
-            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask, self_weight=1.0 + float(self.eps))
+            h = sparse.aggregate(a, x, "sum", grad_mask=hints.input_grad_mask, self_weight=1.0 + self.fixed_eps())
         if isinstance(self.nn, MLP):
             return self.nn.run(h, hints.epilogue, hints.output_rows())
         return finish(self.nn(h), hints)
@@ -57,7 +65,7 @@ class GINConv(GraphConv):
         """``((1 + eps) x + A x)[targets]``, over the targets' in-edges only where the operand can."""
         if isinstance(self.eps, torch.nn.Parameter):
             return target_aggregate(a, x, "sum", targets) + dense.cast_like(x, 1 + self.eps) * take_rows(x, targets)
-        return target_aggregate(a, x, "sum", targets, self_weight=1.0 + float(self.eps))
+        return target_aggregate(a, x, "sum", targets, self_weight=1.0 + self.fixed_eps())
 
     def describe(self) -> LayerSpec:
         linears = [m for m in self.nn.modules() if isinstance(m, torch.nn.Linear)]
