@@ -237,9 +237,8 @@ def test_process_group_backend_follows_the_tensors_device(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "64")
     with pytest.raises(ConfigError, match="CUDA device 64"):
         init_from_env(5.0, device="cuda")
-    # The quantized exchange encodes with CPU kernels: on GPU tensors it refuses instead of failing
-    # inside a collective (where it would read as a dead peer).
-    ex = Exchange(Comm(0, 1, torch.device("cuda", 0)), [0], [0])
-    with pytest.raises(ConfigError, match="comm-bits"):
-        ex.configure(2, None)
-    ex.configure(32, None)
+    # The exchange's buffers live on the group's device, at every bit width (the encoder's torch
+    # form runs there: tests/comm/test_quantize_torch.py, tests/parallel/test_fake_device_dist.py).
+    ex = Exchange(Comm(0, 1, torch.device("cpu")), [0], [0])
+    ex.configure(2, None)
+    assert ex._buffer(("probe",), (3,), torch.uint8).device == torch.device("cpu")

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from tessera.comm.accounting import FORWARD, CommLog, Timer
 from tessera.comm.group import Comm
 from tessera.comm.wire import check_bits, wire_bytes
-from tessera.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -109,10 +108,6 @@ class BlockExchange:
     def configure(self, bits: int, log: CommLog | None) -> None:
         """Set the bit width of every exchange and the log that counts them."""
         self.bits, self.log = check_bits(bits), log
-        if self.bits < 32 and self.comm.device.type != "cpu":
-            raise ConfigError(
-                "quantized exchange (--comm-bits below 32) encodes on the CPU; use --comm-bits 32 on GPUs"
-            )
 
     def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(key)

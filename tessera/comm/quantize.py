@@ -28,7 +28,8 @@ A constant group gets ``S = 0`` and decodes exactly. A group holding inf or nan 
 ``S = Z = nan`` with zero data and decodes to all-nan (its ``G`` rows): non-finite values
 propagate as through an fp32 exchange, if a little wider, and the sender does not raise (which
 would leave its peers waiting in ``all_to_all``). Groups whose span overflows float32
-(``max - min > 3.4e38``) or whose scale is subnormal are quantized in float64, so every finite
+(``max - min > 3.4e38``), whose scale is subnormal, or whose span is so small that
+``(2**b - 1) * 2**16 / span`` overflows float32 are quantized in float64, so every finite
 value decodes to within one step ``S`` of its group of the input, plus the float32 rounding of
 the result.
 
@@ -54,11 +55,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from tessera.comm.quantize_torch import decode_torch, encode_torch
 from tessera.comm.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
 from tessera.kernels.hashing import const, index_hash, lowbias32_ir
 from tessera.kernels.hashing import hash32 as _hash32
 from tessera.kernels.hashing import hash_u32 as _hash_u32
 from tessera.kernels.llvm import call_intrinsic, prefetch
+from tessera.kernels.placement import host_kernels
 from tessera.threads import sync_numba_threads
 
 _F32_MAX = np.float64(np.finfo(np.float32).max)
@@ -508,7 +511,9 @@ def _encode(x, out, bits, ndata, group, rstart, gstart, bstart, seed_lo, seed_hi
         # qmax / span rather than 1 / scale keeps the division off the scale's rounding: a shorter
         # dependency chain before the rows can be packed; the two differ by under 2**-22.
         inv16 = np.float32(qmax * 65536.0 / span) if span > 0 else np.float32(0.0)
-        if finite and n > 0 and span <= _F32_MAX and (scale >= _F32_TINY or scale == 0):
+        # a span so small that qmax * 2**16 / span overflows float32 goes the float64 way too
+        fits = span <= _F32_MAX and inv16 <= _F32_MAX and (scale >= _F32_TINY or scale == 0)
+        if finite and n > 0 and fits:
             for i in range(m):
                 rec = out[off + i * ndata : off + (i + 1) * ndata]
                 _pack(x[r0 + i], rec, bits, mn, inv16, _row_key(r0 + i, skey))
@@ -669,7 +674,11 @@ def encode(
     """Quantize float32 rows ``x`` (rows, width) to ``bits`` (8, 4, 2): a flat uint8 buffer holding
     one block per entry of ``splits`` (row counts summing to ``rows``; default one block of all
     rows), each laid out as in the module docstring, blocks back to back. ``group`` defaults to
-    :data:`tessera.comm.wire.GROUP_ROWS`; ``out`` (uint8, the buffer's length) is reused."""
+    :data:`tessera.comm.wire.GROUP_ROWS`; ``out`` (uint8, the buffer's length) is reused. Tensors
+    off the CPU, or any under ``--backend torch``, take :func:`tessera.comm.quantize_torch.encode_torch`
+    (the same bytes)."""
+    if not host_kernels(x, *([] if out is None else [out])):
+        return encode_torch(x, bits, seed, out=out, splits=splits, group=group)
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise TypeError(f"encode expects a 2-D float32 CPU tensor, got {x.dim()}-D {x.dtype} on {x.device}")
     rows, width = x.shape
@@ -698,7 +707,10 @@ def decode(
 ) -> torch.Tensor:
     """The float32 (rows, width) values ``q * scale + zero`` of a buffer made by :func:`encode`
     with the same ``splits`` (a row count for one block, or one per block), ``bits`` and ``group``;
-    ``out`` is reused when given."""
+    ``out`` is reused when given. Tensors off the CPU, or any under ``--backend torch``, take
+    :func:`tessera.comm.quantize_torch.decode_torch` (the same values)."""
+    if not host_kernels(buf, *([] if out is None else [out])):
+        return decode_torch(buf, width, bits, splits, out=out, group=group)
     splits = _splits(splits, None)
     group = group_rows(group)
     rstart, gstart, bstart = layout(splits, width, bits, group)

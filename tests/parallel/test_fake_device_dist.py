@@ -27,6 +27,8 @@ RUNS = [
     ("tensor", "gin", {"pipeline_stages": 2}),
     ("hybrid", "sage", {"norm": "layer"}),
     ("tensor,partition", "gcn", {"remote_agg": "post"}),
+    ("partition", "gcn", {"comm_bits": 8}),
+    ("tensor", "sage", {"comm_bits": 4}),
 ]
 
 
@@ -54,8 +56,8 @@ def _worker(rank, world, port, out_dir):
         return {"losses": [t.train_step() for _ in range(3)], "metrics": t.evaluate()}
 
     try:
-        for strategy, model, extra in RUNS:
-            key = f"{strategy}|{model}"
+        for i, (strategy, model, extra) in enumerate(RUNS):
+            key = f"{i}|{strategy}|{model}"
             on_cpu = run(strategy, model, extra, None, Path(out_dir) / f"{key}-cpu".replace("|", "-"))
             with fake_gpu():
                 on_device = run(strategy, model, extra, FAKE, Path(out_dir) / f"{key}-device".replace("|", "-"))
@@ -71,6 +73,6 @@ def test_every_strategy_keeps_the_step_on_the_device_and_trains_as_on_the_cpu(tm
     spawn_with_retry(_worker, (2, free_port(), tmp_path), 2)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert sorted(results) == sorted(f"{s}|{m}" for s, m, _ in RUNS)
+        assert sorted(results) == sorted(f"{i}|{s}|{m}" for i, (s, m, _) in enumerate(RUNS))
         for key, res in results.items():
             assert res["device"] == res["cpu"], (rank, key)
