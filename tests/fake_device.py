@@ -73,6 +73,11 @@ def _run(mode: FakeDevice | None, func, args, kwargs):
         raise RuntimeError(f"host tensors {host} mixed with device tensors in {func}")
     if on_device and func is torch.ops.aten._local_scalar_dense.default and mode is not None:
         mode.host_reads += 1
+    if on_device and mode is not None and _sizes_from_values(func, args, kwargs):
+        mode.syncs += 1
+    if func is torch.ops.aten.copy_.default and isinstance(args[1], OnDevice) and not isinstance(args[0], OnDevice):
+        if mode is not None:
+            mode.host_reads += 1  # into a host tensor
     out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
     if func is torch.ops.aten.copy_.default:
         return args[0]  # in place on the destination's own storage, whichever side it is
@@ -86,6 +91,25 @@ def _run(mode: FakeDevice | None, func, args, kwargs):
     return out
 
 
+_DATA_SIZED = (
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default,
+)
+
+
+def _sizes_from_values(func, args, kwargs) -> bool:
+    """Whether ``func`` makes a tensor whose size depends on the values (a GPU then waits for them)."""
+    if func in _DATA_SIZED:
+        return True
+    if func is torch.ops.aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    if func is torch.ops.aten.index.Tensor:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+    return False
+
+
 def _unwrap(t: Any) -> Any:
     return t.elem if isinstance(t, OnDevice) else t
 
@@ -96,11 +120,13 @@ def _wrap(t: Any) -> Any:
 
 class FakeDevice(TorchDispatchMode):
     """The dispatch mode that makes ``device="meta"`` the stand-in device; ``host_reads`` counts
-    copies from it to the host and scalars read from it."""
+    copies from it to the host and scalars read from it, ``syncs`` the ops whose output size
+    depends on device values (boolean indexing, ``nonzero``, ``unique``), which wait for the device."""
 
     def __init__(self) -> None:
         super().__init__()
         self.host_reads = 0
+        self.syncs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return _run(self, func, args, kwargs)

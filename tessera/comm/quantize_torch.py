@@ -140,25 +140,30 @@ def _zero_sign(x: torch.Tensor, places: _Places, lo: torch.Tensor, tied: torch.T
     the rest), each lane keeping the first of equal values; of equal values the kernel keeps the
     lowest (lane, accumulator, pass) and, after them, the first of the values past the last whole
     vector (found on this AVX-512 host, where it matched every case tried)."""
-    rows = torch.nonzero(tied[places.group_of]).view(-1)
-    if not rows.numel():
-        return lo
-    width = x.shape[1]
-    g = places.group_of[rows]
-    n = (places.group_size[g] * width)[:, None]
-    o = (places.row_in_group[rows] * width)[:, None] + torch.arange(width, device=x.device)
-    vec, lane = o // 16, o % 16
-    nbig = n // 64
-    big = vec < 4 * nbig
-    acc = torch.where(big, vec % 4, 0)
-    trip = torch.where(big, vec // 4, vec - 3 * nbig)
-    key = torch.where(o >= n - n % 16, (1 << 62) + o, ((lane * 4 + acc) << 40) + trip)
-    xr = x[rows]
-    key = torch.where(xr == 0, key, torch.iinfo(torch.int64).max)
-    best, col = key.min(dim=1)
-    first = torch.full_like(lo, torch.iinfo(torch.int64).max, dtype=torch.int64).scatter_reduce_(0, g, best, "amin")
-    neg = torch.signbit(xr.gather(1, col[:, None])[:, 0]) & (best == first[g])
-    negative = torch.zeros_like(first).index_add_(0, g, neg.to(torch.int64)) > 0
+    # Row chunk by row chunk over every row, the tied groups' selected rather than gathered: no wait
+    # for the device to count them.
+    width, dev, big_key = x.shape[1], x.device, torch.iinfo(torch.int64).max
+    first = torch.full_like(lo, big_key, dtype=torch.int64)
+    bests, negs = [], []
+    for a, b in places.chunks(width):
+        g = places.group_of[a:b]
+        n = (places.group_size[g] * width)[:, None]
+        o = (places.row_in_group[a:b] * width)[:, None] + torch.arange(width, device=dev)
+        vec, lane = o // 16, o % 16
+        nbig = n // 64
+        big = vec < 4 * nbig
+        acc = torch.where(big, vec % 4, 0)
+        trip = torch.where(big, vec // 4, vec - 3 * nbig)
+        key = torch.where(o >= n - n % 16, (1 << 62) + o, ((lane * 4 + acc) << 40) + trip)
+        xr = x[a:b]
+        key = torch.where((xr == 0) & tied[g][:, None], key, big_key)
+        best, col = key.min(dim=1)
+        first.scatter_reduce_(0, g, best, "amin")
+        bests.append(best)
+        negs.append(torch.signbit(xr.gather(1, col[:, None])[:, 0]) & (best < big_key))
+    best, neg = torch.cat(bests), torch.cat(negs)
+    neg &= best == first[places.group_of]
+    negative = torch.zeros_like(first).index_add_(0, places.group_of, neg.to(torch.int64)) > 0
     return torch.where(tied, torch.where(negative, -0.0, 0.0), lo)
 
 
@@ -257,11 +262,10 @@ def encode_torch(
         t = torch.empty(p.shape, dtype=torch.int64, device=dev)
         t[:, :vec] = (p[:, :vec] + 0.5).float().to(torch.int64)  # float32 fma, truncated
         t[:, vec:] = (p[:, vec:].float().double() + 0.5).to(torch.int64)  # float32 product, float64 sum
-        wide = torch.nonzero(rare[g]).view(-1)
-        if wide.numel():
-            gw = g[wide]
-            d = xc[wide].double() - lo[gw].double()[:, None]
-            t[wide] = (d * inv16_rare[gw][:, None] + 0.5).to(torch.int64)  # a fused + 0.5 truncates alike
+        # the float64 groups' codes, selected rather than gathered: no wait for the device to count them
+        d = xc.double() - lo[g].double()[:, None]
+        wide = (d * inv16_rare[g][:, None] + 0.5).to(torch.int64)  # a fused + 0.5 truncates alike
+        t = torch.where(rare[g][:, None], wide, t)
         keys = _row_keys(torch.arange(a, b, device=dev), seed)
         q = torch.clamp_max((t + _random_bits(keys, width)) >> 16, qmax)
         q = torch.where(finite[g][:, None], q, 0)

@@ -2,7 +2,8 @@
 :mod:`fake_device`: each strategy's exchanges, index tensors and collectives keep the step on the
 device (a host tensor mixed into a device op fails the run), and every rank's losses and metrics
 equal bitwise those of the same portable code with CPU tensors, in one process group (gloo carries
-the stand-in's CPU values; on GPUs it is NCCL)."""
+the stand-in's CPU values; on GPUs it is NCCL). A steady step reads one value back (its loss) and,
+but for label propagation's draw, waits on no data-sized op."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def _worker(rank, world, port, out_dir):
     set_num_threads(1)
     comm = init_from_env(120)
     results = {}
+    mode = None
 
     def run(strategy, model, extra, device, out):
         dataset = "synthetic:tiny-rel" if model == "rgcn" else "synthetic:tiny"
@@ -53,13 +55,20 @@ def _worker(rank, world, port, out_dir):
             strategy=strategy, nprocs=world, backend="torch" if device is None else "auto", **extra,
         ).validate()  # fmt: skip
         t = Trainer(cfg, load(dataset), comm if device is None else dataclasses.replace(comm, device=device))
-        return {"losses": [t.train_step() for _ in range(3)], "metrics": t.evaluate()}
+        losses = [t.train_step() for _ in range(2)]
+        reads, syncs = (mode.host_reads, mode.syncs) if device is not None else (0, 0)
+        losses.append(t.train_step())
+        step = (mode.host_reads - reads, mode.syncs - syncs) if device is not None else None
+        out = {"losses": losses, "metrics": t.evaluate()}
+        if step is not None:  # what the steady step read back and waited for
+            out["step_reads"], out["step_syncs"] = step
+        return out
 
     try:
         for i, (strategy, model, extra) in enumerate(RUNS):
             key = f"{i}|{strategy}|{model}"
             on_cpu = run(strategy, model, extra, None, Path(out_dir) / f"{key}-cpu".replace("|", "-"))
-            with fake_gpu():
+            with fake_gpu() as mode:
                 on_device = run(strategy, model, extra, FAKE, Path(out_dir) / f"{key}-device".replace("|", "-"))
             results[key] = {"cpu": on_cpu, "device": on_device}
     finally:
@@ -75,4 +84,9 @@ def test_every_strategy_keeps_the_step_on_the_device_and_trains_as_on_the_cpu(tm
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sorted(results) == sorted(f"{i}|{s}|{m}" for i, (s, m, _) in enumerate(RUNS))
         for key, res in results.items():
+            # one value read back (the loss); label propagation draws its rows by a device mask and
+            # sums their count over the ranks
+            lp = "label_prop" in RUNS[int(key.split("|")[0])][2]
+            step = (res["device"].pop("step_reads"), res["device"].pop("step_syncs"))
+            assert step == ((2, 2) if lp else (1, 0)), key
             assert res["device"] == res["cpu"], (rank, key)
