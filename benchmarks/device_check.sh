@@ -8,7 +8,8 @@
 #   env.txt           nvidia-smi, CPU, torch / CUDA / triton / PyG / numba versions, commit, source hash
 #   cuda_vs_cpu.json  losses of 3 steps (dropout 0.5) on CUDA and on the CPU, six models, synthetic:small,
 #                     and the mixture of accelerators' against the CPU's for GCN / SAGE / GIN
-#   pytest_cuda.txt   pytest -m cuda tests/test_cuda.py, then tests/backends/test_triton.py on CUDA tensors
+#   pytest_cuda.txt   pytest -m cuda tests/test_cuda.py and the quantizer's CUDA test, then
+#                     tests/backends/test_triton.py on CUDA tensors
 #   train_gpu.json    tessera vs PyG on the GPU, synthetic:products, GCN / SAGE / GAT / GIN: median epoch
 #   train_gpu.md      (10 after 2 warm-up) and peak GPU memory; the same as a table; and the mixture of
 #                     accelerators (--aggregate-on cpu: CPU aggregation, GPU update) for GCN / SAGE / GIN
@@ -178,8 +179,8 @@ section losses "$T" "$PY" benchmarks/device_check.py losses "${LOSSES[@]}" \
 # ---------------------------------------------------------------------------------- pytest_cuda.txt
 T=$(min "$CAP_PYTEST" "$(left)")
 {
-    echo "# python -m pytest -q -m cuda tests/test_cuda.py   (device $DEVICE)"
-    section pytest-cuda "$T" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py \
+    echo "# python -m pytest -q -m cuda tests/test_cuda.py tests/comm/test_quantize_torch.py   (device $DEVICE)"
+    section pytest-cuda "$T" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/comm/test_quantize_torch.py \
         --durations=8 --junitxml "$OUT/pytest_cuda.xml"
 } >"$OUT/pytest_cuda.txt" 2>&1
 

@@ -239,6 +239,7 @@ def test_argument_checks_match_the_kernels():
             decode(buf, 7, 4, None)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_equals_the_kernels():
     for bits in (8, 4, 2):
