@@ -41,7 +41,8 @@ bias) with
     ``gtask`` variant's plan and for ``--outlier-plan`` (Fig. 19; ``bench_gtask.py`` does the same
     for the raw typed message sum, and its code is reused here);
 
-then the whole-epoch time with ``auto`` and with each variant forced. A variant (or an outlier
+then the whole-epoch time and peak RSS (``VmHWM`` from before that variant's epochs) with ``auto``
+and with each variant forced. A variant (or an outlier
 schedule) whose estimated intermediates exceed ``--mem-gib`` is skipped (its FLOPs are still
 listed). Layer times are the median process CPU seconds (all threads, ``OMP_WAIT_POLICY=PASSIVE``
 so idle threads do not count) of ``--repeats`` runs after a warm-up, interleaved, with the median
@@ -79,6 +80,25 @@ def _set_threads(threads: int) -> None:
 
     torch.set_num_threads(threads)
     set_num_threads(threads)
+
+
+def _reset_peak() -> None:
+    """Start this process's peak RSS (``VmHWM``) again from its current RSS (Linux ``clear_refs``;
+    elsewhere nothing happens and :func:`_peak_since_reset` gives the whole run's peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_since_reset() -> float | str:
+    """Peak RSS in MiB since :func:`_reset_peak` (``VmHWM``; ``ru_maxrss`` where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            return round(next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024.0, 1)
+    except (OSError, StopIteration):
+        return f"{peak_rss_mib():.1f} (run)"
 
 
 def train_times(model, forward, y, train, warmup: int, epochs: int) -> list[float]:
@@ -468,18 +488,19 @@ class _Ablation:
         rows, auto = [], None
         for v in ("auto", *self.variants):
             if v != "auto" and any(layer.est[v] > args.mem_gib for layer in self.layers):
-                rows.append([v, "skipped (est. memory)", "", ""])
+                rows.append([v, "skipped (est. memory)", "", "", ""])
                 continue
             for conv in self.model.convs:
                 conv.variant = v
+            _reset_peak()
             times = train_times(self.model, lambda: self.model(g.x, g), g.y, g.train_mask, args.warmup, args.epochs)
             med = statistics.median(times)
             auto = auto or med
-            rows.append([v, med, min(times), f"{med / auto:.2f}x"])
+            rows.append([v, med, min(times), f"{med / auto:.2f}x", _peak_since_reset()])
             print(v, [round(s, 3) for s in times], flush=True)
         table(
             f"whole epoch, variant forced in both layers ({args.warmup} warm-up + {args.epochs} timed; wall s)",
-            ["variant", "median epoch s", "min epoch s", "vs auto"],
+            ["variant", "median epoch s", "min epoch s", "vs auto", "peak RSS MiB (its epochs)"],
             rows,
         )
 

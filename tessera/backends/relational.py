@@ -4,7 +4,10 @@ The rule, as :func:`tessera.backends.select.choose` does for kernels: the cost m
 (:func:`tessera.relational.variants.variant_cost`, FLOPs and bytes of a forward and backward pass)
 prunes every variant modelled more than ``PRUNE_FACTOR`` (2x) slower than the best; when one
 survives, or the problem is too small for a trial to pay (fewer than ``_TRIAL_MIN_FLOPS``
-modelled FLOPs), the model's best is taken. Otherwise each survivor runs one forward and backward
+modelled FLOPs), the model's best is taken. Survivors whose modelled intermediates
+(:func:`~tessera.relational.plan.variant_memory`) exceed ``MEMORY_FACTOR`` (2x) the leanest
+survivor's are not tried either: a trial pass of a memory-hungry variant would raise the run's
+peak memory even when it loses. Otherwise each survivor runs one forward and backward
 pass on the real input as a warm-up (it builds the variant's structures), then the survivors
 whose warm-up took at most ``WARMUP_FACTOR`` (3x) the fastest warm-up, or under ``WARMUP_FLOOR``
 (1 s), run ``_TRIAL_REPS`` timed passes, alternating, and the fastest median wins. The cap bounds
@@ -13,7 +16,8 @@ structure that takes long to build, a model that is wrong for this input) runs o
 ``1 + _TRIAL_REPS`` times, and is not chosen. Decisions are kept in memory per graph and on disk
 in the kernel cache (``kernels.json``; the dropped variants' warm-up seconds under ``dropped``),
 keyed by the graph's fingerprint, widths, reduce and thread count, so a later run reuses them
-without measuring.
+without measuring. After a measured choice the structures of the variants no choice on the graph
+took are released (:meth:`~tessera.relational.plan.Relations.release`).
 """
 
 from __future__ import annotations
@@ -23,17 +27,21 @@ import time
 
 import torch
 
+from tessera import workspace
 from tessera.backends import select
 from tessera.kernels.placement import host_kernels
-from tessera.relational.plan import Relations, ranked_variants, variant_cost
+from tessera.relational.plan import VARIANTS, Relations, ranked_variants, variant_cost, variant_memory
 from tessera.relational.variants import run_variant
 
 _TRIAL_REPS = 2
 WARMUP_FACTOR = 3.0  # a warm-up slower than this times the fastest one drops the variant ...
 WARMUP_FLOOR = 1.0  # ... unless it took under this many seconds (then a trial costs nothing worth saving)
 _clock = time.perf_counter
+# a variant modelled to hold more than this times the leanest candidate's intermediates is not tried:
+# its trial pass would raise the run's peak memory even when it loses (docs/design/rgcn-memory.md)
+MEMORY_FACTOR = 2.0
 _TRIAL_MIN_FLOPS = 2e9  # below this a whole layer takes milliseconds: the model decides alone
-_VERSION = 1
+_VERSION = 2  # 2: gathered products chunked (unique_source, gtask), memory-gated trials
 
 
 def decision_key(rel: Relations, fi: int, fo: int, reduce: str) -> str:
@@ -58,10 +66,15 @@ def measure(
     w = weight.detach().requires_grad_(True)
 
     def step(name: str) -> float:
-        t0 = _clock()
-        out = run_variant(rel, name, x, w, reduce)
-        out.backward(torch.ones_like(out))
-        return _clock() - t0
+        # each pass's workspace blocks (its row-sized buffers) are dropped when it ends: held, every
+        # variant's would add up during the trial, and for the rest of the run (2.8 GiB on arxiv-rel8)
+        with workspace.transient():
+            t0 = _clock()
+            out = run_variant(rel, name, x, w, reduce)
+            out.backward(torch.ones_like(out))
+            seconds = _clock() - t0
+            del out  # its block is free before the transient ends, so dropped with the rest
+            return seconds
 
     warmups = {name: step(name) for name in names}
     kept = warm_survivors(warmups)
@@ -88,5 +101,14 @@ def choose_variant(rel: Relations, x: torch.Tensor, weight: torch.Tensor, reduce
     if len(ranked) == 1 or variant_cost(stats, fi, fo, ranked[0])[0] < _TRIAL_MIN_FLOPS:
         select.remember(rel.matrix, key, ranked[0])
         return ranked[0]
-    seconds, dropped = measure(rel, x, weight, reduce, ranked)
-    return select.record(rel.matrix, key, seconds, dropped=dropped)
+    lean = min(variant_memory(stats, fi, fo, v) for v in ranked)
+    candidates = [v for v in ranked if variant_memory(stats, fi, fo, v) <= MEMORY_FACTOR * lean]
+    if len(candidates) == 1:
+        select.remember(rel.matrix, key, candidates[0])
+        return candidates[0]
+    seconds, dropped = measure(rel, x, weight, reduce, candidates)
+    choice = select.record(rel.matrix, key, seconds, dropped=dropped)
+    # the losers' structures (and the backend plans made for them) go; the choices made on this
+    # matrix so far (the other layers' too) keep theirs
+    rel.release({v for v in select.decisions(rel.matrix) if v in VARIANTS})
+    return choice

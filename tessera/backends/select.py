@@ -182,6 +182,11 @@ def remember(matrix: CSRStructure, key: str, choice: str) -> str:
     return choice
 
 
+def decisions(matrix: CSRStructure) -> set[str]:
+    """The choices this process has made or loaded for ``matrix`` so far (any key)."""
+    return set(_memo.entries(matrix).values())
+
+
 def lookup(matrix: CSRStructure, key: str, names: list[str]) -> str | None:
     """The decision already made for ``key`` among ``names``, from memory or (for a matrix with a
     fingerprint) the disk cache; None when there is none yet."""

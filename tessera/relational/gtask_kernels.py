@@ -13,7 +13,9 @@ zeros, which nothing reads: the mask), and the scatter of the edges into their d
 CSR product (:func:`~tessera.sparse.aggregate.aggregate` over the edge-to-row matrix); the products
 of a run of adjacent batches of one relation share ``W[r]``, so they run as one GEMM over their
 stacked rows (:func:`~tessera.relational.block_matmul.fuse`), written into one buffer
-(:func:`~tessera.relational.block_matmul.block_matmul`). The backward is the transposed CSR product,
+(:func:`~tessera.relational.block_matmul.gather_block_matmul`: the gathered rows exist a chunk at a
+time, in the forward and again in the backward, so only ``x`` is kept for the weight gradient, not
+every gathered row). The backward is the transposed CSR product,
 the GEMMs' own gradients and an ``index_add``: every step is a differentiable torch op, and the
 number of torch calls is the number of products, not of gTasks (thousands of small calls, each a
 parallel region of both threads, cost far more than their FLOPs on a busy machine).
@@ -63,7 +65,7 @@ import torch
 
 from tessera.errors import GraphError
 from tessera.graph.csr import CSRMatrix
-from tessera.relational.block_matmul import Block, block_matmul, fuse, products
+from tessera.relational.block_matmul import Block, fuse, gather_block_matmul, products
 from tessera.relational.gtask import GTaskPlan
 from tessera.sparse.aggregate import aggregate
 
@@ -346,7 +348,7 @@ def typed_message_sum(
     ex = build_execution(plan, policy)
     if edge_weight is not None and edge_weight.shape != (plan.num_edges,):
         raise ValueError(f"edge_weight has shape {tuple(edge_weight.shape)}, expected ({plan.num_edges},)")
-    y = block_matmul(gather_rows(ex, x), weights, ex.products)
+    y = gather_block_matmul(x, ex.gather, weights, ex.products, ex.pad_rows)  # gathered a chunk at a time
     c = None if edge_weight is None else edge_weight.index_select(0, ex.scatter_edges)
     return aggregate(ex.scatter, y, backend=backend, weight=c)
 

@@ -147,6 +147,18 @@ class Relations:
 
         return self._plan(("gtask", reduce, restrictions), make)
 
+    def release(self, keep: set[str]) -> None:
+        """Forget the structures of the variants not in ``keep`` (names of :data:`VARIANTS`): after a
+        measured choice, the losers' pair matrices, gTask plans and the backend plans made for
+        them would otherwise stay for the rest of the run (one is rebuilt if a later choice takes it)."""
+        side = {"transform_first": "all", "unique_source": "source", "aggregate_first": "destination",
+                "edge_wise": "edges", "gtask": "gtask"}  # fmt: skip
+        kept = {side[v] for v in keep if v in side}
+        entries = _plans.entries(self.matrix)
+        for key in [k for k in entries if k[0] == self.key and len(k) > 1 and k[1] in side.values()]:
+            if key[1] not in kept:
+                del entries[key]
+
     def choose(self, x: torch.Tensor, weight: torch.Tensor, reduce: str) -> str:
         """The variant ``auto`` runs for this input."""
         if self._choose is not None:
@@ -175,6 +187,30 @@ def variant_cost(stats: RelationStats, fi: int, fo: int, variant: str) -> tuple[
     flops = 3 * 2.0 * rows * fi * fo
     nbytes = 3 * (4.0 * (gathered + extra + n * fo) + 8.0 * e)
     return flops, nbytes
+
+
+def variant_memory(stats: RelationStats, fi: int, fo: int, variant: str) -> float:
+    """Modelled bytes of ``variant``'s row-sized intermediates at the peak of a forward and backward
+    pass (float32): what it holds beside the layer's own input and output.
+
+    ``transform_first``: ``x W_r`` for every relation and vertex, its gradient and the per-relation
+    input gradient; ``unique_source`` and ``gtask``: the product rows and their gradient (the gathered
+    inputs exist a chunk at a time, :func:`~tessera.relational.block_matmul.gather_block_matmul`;
+    an input gradient's ``P x fi`` rows, made at once late in the backward, are not counted);
+    ``aggregate_first``: the aggregated inputs (kept for the weight gradient) and their gradient, the
+    product rows and theirs; ``edge_wise``: gathered inputs and messages per edge, and their gradients."""
+    r, n, e = stats.relations, stats.cols, stats.edges
+    ps, pd = stats.source_pairs, stats.destination_pairs
+    rows = {
+        "transform_first": r * n * (2 * fo + fi),
+        "unique_source": ps * 2 * fo,
+        "gtask": ps * 2 * fo,
+        "aggregate_first": pd * 2 * (fi + fo),
+        "edge_wise": e * (2 * fi + 3 * fo),
+    }
+    if variant not in rows:
+        raise ConfigError(f"unknown RGCN variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+    return 4.0 * rows[variant]
 
 
 def model_seconds(stats: RelationStats, fi: int, fo: int, variant: str, threads: int | None = None) -> float:

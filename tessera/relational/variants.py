@@ -30,7 +30,7 @@ import torch
 from tessera.errors import ConfigError
 from tessera.kernels.placement import host_kernels
 from tessera.memo import TensorMemo
-from tessera.relational.block_matmul import block_matmul, segment_blocks
+from tessera.relational.block_matmul import block_matmul, gather_block_matmul, segment_blocks
 from tessera.relational.gtask_kernels import typed_message_sum
 from tessera.relational.operand import relational
 from tessera.relational.plan import GTASK_RESTRICTIONS, Relations, split_variant
@@ -71,7 +71,9 @@ def _transform_first(rel: Relations, x, weight, reduce):
 
 def _unique_source(rel: Relations, x, weight, reduce):
     a, p = rel.pairs("source", reduce)
-    return aggregate(a, segment_matmul(x.index_select(0, _on(p.vertex, x)), p.ptr, weight), "sum")
+    # the (relation, source) rows are gathered and multiplied a chunk at a time, forward and backward
+    y = gather_block_matmul(x, _on(p.vertex, x), weight, segment_blocks(p.ptr.tolist()))
+    return aggregate(a, y, "sum")
 
 
 def _aggregate_first(rel: Relations, x, weight, reduce):

@@ -15,10 +15,12 @@ from tessera.cli.main import main
 from tessera.datasets import load
 from tessera.errors import ConfigError
 from tessera.nn.conv import RGCNConv
-from tessera.relational.plan import VARIANTS, ranked_variants
+from tessera.relational import block_matmul
+from tessera.relational.plan import VARIANTS, _plans, ranked_variants, variant_memory
 from tessera.relational.variants import (
     relational_aggregate,
     relational_aggregate_reference,
+    run_variant,
     segment_matmul,
     segment_matmul_reference,
 )
@@ -99,6 +101,7 @@ def test_cost_model_prunes_by_flops_and_the_measured_choice_is_cached(graph, mon
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
     monkeypatch.setattr(choice, "_TRIAL_MIN_FLOPS", 0)
     monkeypatch.setattr(choice, "ranked_variants", lambda *a: list(VARIANTS))
+    monkeypatch.setattr(choice, "MEMORY_FACTOR", float("inf"))  # every variant tried
     monkeypatch.setattr(choice, "WARMUP_FLOOR", float("inf"))  # a cold numba cache must not drop one
     calls = []
     real = choice.measure
@@ -121,6 +124,7 @@ def test_a_variant_whose_warm_up_is_far_slower_gets_no_timed_passes(graph, monke
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
     monkeypatch.setattr(choice, "_TRIAL_MIN_FLOPS", 0)
     monkeypatch.setattr(choice, "ranked_variants", lambda *a: ["unique_source", "gtask", "aggregate_first"])
+    monkeypatch.setattr(choice, "MEMORY_FACTOR", float("inf"))
     now, runs = [0.0], []  # a clock that each pass advances: gtask 30 s, the others 2 s
     real = choice.run_variant
 
@@ -139,6 +143,59 @@ def test_a_variant_whose_warm_up_is_far_slower_gets_no_timed_passes(graph, monke
     assert runs.count("unique_source") == runs.count("aggregate_first") == 1 + choice._TRIAL_REPS
     entry = json.loads(cache_file().read_text())[choice.decision_key(rel, 6, 4, "sum")]
     assert entry["seconds"] == {"unique_source": 2.0, "aggregate_first": 2.0} and entry["dropped"] == {"gtask": 30.0}
+
+
+def test_a_trial_skips_memory_hungry_variants_and_releases_the_losers_structures(graph, monkeypatch, tmp_path):
+    g, _, _ = graph
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    monkeypatch.setattr(choice, "_TRIAL_MIN_FLOPS", 0)
+    monkeypatch.setattr(choice, "ranked_variants", lambda *a: list(VARIANTS))
+    monkeypatch.setattr(choice, "WARMUP_FLOOR", float("inf"))
+    fresh = Graph.from_edge_index(g.edge_index(), g.num_nodes, edge_type=g.edge_type, num_relations=R)
+    rel = as_operand(fresh).relations()
+    x, w = torch.randn(g.num_nodes, 8), torch.randn(R, 8, 3)
+    mem = {v: variant_memory(rel.stats(), 8, 3, v) for v in VARIANTS}
+    lean = min(mem.values())
+    tried = {v for v in VARIANTS if mem[v] <= choice.MEMORY_FACTOR * lean}
+    assert "edge_wise" not in tried and len(tried) >= 2  # 2.6 E (fi + fo) floats against 8 P fo
+    ran = []
+    real = choice.run_variant
+    monkeypatch.setattr(choice, "run_variant", lambda r, name, *a: ran.append(name) or real(r, name, *a))
+    chosen = choice.choose_variant(rel, x, w, "mean")
+    assert set(ran) == tried and chosen in tried
+    # the structures of the variants not chosen are gone; the chosen one's stay, and a dropped one is rebuilt
+    side = {"transform_first": "all", "unique_source": "source", "aggregate_first": "destination", "gtask": "gtask"}
+    held = {k[1] for k in _plans.entries(rel.matrix)}
+    assert side[chosen] in held and not (held & {side[v] for v in tried - {chosen}})
+    other = next(iter(tried - {chosen}))
+    torch.testing.assert_close(run_variant(rel, other, x, w, "mean"), run_variant(rel, chosen, x, w, "mean"))
+
+
+@pytest.mark.parametrize("variant", ["unique_source", "gtask"])
+def test_chunked_gathered_products_equal_the_reference_with_hubs_and_empty_relations(variant, monkeypatch):
+    # relation 1 and R - 1 empty, vertex 0 a hub (source of 200 edges, destination of 150), and
+    # chunks of 3 rows: every relation's rows (and the gTask batches) cut into many chunks
+    gen = torch.Generator().manual_seed(3)
+    n, e = 50, 300
+    ei = torch.randint(0, n, (2, e), generator=gen)
+    ei[0, :200], ei[1, 100:250] = 0, 0
+    et = torch.randint(0, R, (e,), generator=gen)
+    et[(et == 1) | (et == R - 1)] = 2
+    g = Graph.from_edge_index(ei, n, edge_type=et, num_relations=R)
+    x = torch.randn(n, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(R, 7, 4, dtype=torch.float64, requires_grad=True)
+    want = relational_aggregate_reference(ei, et, x, w, "mean", n)
+    probe = torch.randn_like(want)
+    grads = torch.autograd.grad((want * probe).sum(), (x, w))
+    real, rows = block_matmul.chunk_blocks, []
+    monkeypatch.setattr(block_matmul, "chunk_blocks", lambda b, m: rows.append(m) or real(b, m))
+    for chunk in (3 * 7 * 8, None):
+        monkeypatch.setattr(block_matmul, "GATHER_CHUNK_BYTES", chunk or 2**27)
+        out = relational_aggregate(as_operand(g), x, w, "mean", variant)
+        assert rows[-1] == (3 if chunk else 2**27 // 56)
+        torch.testing.assert_close(out, want)
+        for a, b in zip(torch.autograd.grad((out * probe).sum(), (x, w)), grads, strict=True):
+            torch.testing.assert_close(a, b)
 
 
 def test_untyped_graph_and_wrong_relation_count_are_clear_errors(graph):
