@@ -241,8 +241,11 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(format_comm_summary(res["comm"], res["world_size"], cfg.comm_bits))
     m = res.get("metric", "acc")
     shown = "ROC-AUC" if m == "rocauc" else "acc"  # a multi-label run's mean ROC-AUC over its tasks
+    test, val = res[f"test_{m}"], res[f"val_{m}"]  # None: the graph has no vertices in that split
+    test_text = "no test split" if test is None else f"test {shown} {test:.4f}"
+    val_text = "no validation split (last epoch's weights)" if val is None else f"val {shown} {val:.4f}"
     print(
-        f"{cfg.model} on {res['dataset']}: test {shown} {res[f'test_{m}']:.4f} | val {shown} {res[f'val_{m}']:.4f} "
+        f"{cfg.model} on {res['dataset']}: {test_text} | {val_text} "
         f"(best epoch {res['best_epoch']}) | median epoch {res['epoch_time_median_s'] * 1e3:.2f} ms | "
         f"peak RSS {max(res['peak_rss_mb_per_rank']):.0f} MiB"
         + (f" (largest of {res['world_size']} ranks)" if res["world_size"] > 1 else "")

@@ -60,8 +60,13 @@ def run(args: argparse.Namespace) -> int:
     if multilabel:
         print(
             f"wrote {out}: the 0/1 prediction of {classes.shape[1]} tasks for {len(classes):,} vertices "
-            f"| test ROC-AUC {scores['test_rocauc']:.4f}"
+            f"| {_score('test ROC-AUC', scores['test_rocauc'])}"
         )
     else:
-        print(f"wrote {out}: the class of {len(classes):,} vertices | test acc {scores['test_acc']:.4f}")
+        print(f"wrote {out}: the class of {len(classes):,} vertices | {_score('test acc', scores['test_acc'])}")
     return 0
+
+
+def _score(what: str, value: float | None) -> str:
+    """``what`` and its value to four decimals, or "no test split" where the split is empty."""
+    return "no test split" if value is None else f"{what} {value:.4f}"

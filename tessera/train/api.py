@@ -27,6 +27,7 @@ _EVAL_OFF: dict[str, Any] = {
     "plot": False,
     "tensorboard": None,
     "progress": False,
+    "patience": 0,  # an evaluation trains nothing: a graph without validation vertices is no error then
 }
 
 
@@ -60,7 +61,7 @@ class Run:
         targets: the ROC-AUC averaged over the tasks, as OGB's ogbn-proteins)."""
         return str(self.result.get("metric", "acc"))
 
-    def _reported(self, key: str) -> float:
+    def _reported(self, key: str) -> float | None:
         if key not in self.result and key.endswith("_acc") and self.metric == "rocauc":
             raise ConfigError(
                 f"this run has multi-label targets and reports ROC-AUC, not accuracy: use {key[:-4]}_rocauc"
@@ -69,39 +70,40 @@ class Run:
             raise ConfigError(
                 f"this run reports accuracy, not ROC-AUC (its targets are one class per vertex): use {key[:-7]}_acc"
             )
-        return float(self.result[key])
+        value = self.result[key]
+        return None if value is None else float(value)  # None: the run had no vertices in that split
 
     @property
-    def test_acc(self) -> float:
-        """The test accuracy the run reported."""
+    def test_acc(self) -> float | None:
+        """The test accuracy the run reported (None: the graph had no test vertices)."""
         return self._reported("test_acc")
 
     @property
-    def val_acc(self) -> float:
+    def val_acc(self) -> float | None:
         """The validation accuracy the run reported."""
         return self._reported("val_acc")
 
     @property
-    def train_acc(self) -> float:
+    def train_acc(self) -> float | None:
         """The training accuracy the run reported."""
         return self._reported("train_acc")
 
     @property
-    def test_rocauc(self) -> float:
+    def test_rocauc(self) -> float | None:
         """The test ROC-AUC (mean over the tasks) a multi-label run reported."""
         return self._reported("test_rocauc")
 
     @property
-    def val_rocauc(self) -> float:
+    def val_rocauc(self) -> float | None:
         """The validation ROC-AUC (mean over the tasks) a multi-label run reported."""
         return self._reported("val_rocauc")
 
     @property
-    def train_rocauc(self) -> float:
+    def train_rocauc(self) -> float | None:
         """The training ROC-AUC (mean over the tasks) a multi-label run reported."""
         return self._reported("train_rocauc")
 
-    def evaluate(self, graph: Graph | None = None) -> dict[str, float]:
+    def evaluate(self, graph: Graph | None = None) -> dict[str, float | None]:
         """Accuracy on each split (``train_acc``, ``val_acc``, ``test_acc``) and ``val_loss`` on
         ``graph`` (default: the run's own), features prepared as the run prepared them; of
         multi-label targets the ROC-AUC instead (``train_rocauc``, ``val_rocauc``, ``test_rocauc``)."""

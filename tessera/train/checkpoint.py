@@ -45,6 +45,8 @@ _OPTIONAL = ("plan",)  # fields a checkpoint may lack (written before they exist
 _RECORD_NUMBERS = ("train_loss", "train_acc", "val_acc", "test_acc", "val_loss", "epoch_time_s")
 # a multi-label run's records: ROC-AUC where a single-label run has accuracy
 _RECORD_NUMBERS_ROCAUC = ("train_loss", "train_rocauc", "val_rocauc", "test_rocauc", "val_loss", "epoch_time_s")
+# the per-epoch numbers that are None where their split is empty (no test or validation vertices)
+_MAYBE_EMPTY = frozenset({"val_acc", "test_acc", "val_rocauc", "test_rocauc", "val_loss"})
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 _ADAM_GROUP = ("params", "lr", "betas", "eps", "weight_decay")  # what Adam.step cannot do without
 _SETTING = (type(None), bool, int, float, str)  # what a config value can be
@@ -260,6 +262,8 @@ def _check_history(c: _Check, history: list[Any], epoch: int, numbers: tuple[str
         c.keys(field, rec, ("epoch", *numbers), ("comm",))
         c.count(field + "['epoch']", rec["epoch"], i + 1, i + 1)
         for k in numbers:
+            if rec[k] is None and k in _MAYBE_EMPTY:  # a split without vertices has no score
+                continue
             c.number(f"{field}[{k!r}]", rec[k])
         if "comm" in rec:
             try:

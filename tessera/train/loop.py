@@ -189,6 +189,11 @@ def run_dir(cfg: TrainConfig) -> RunDir:
     return RunDir(path, instead_of=None if n == 1 else base)
 
 
+def _shown(value: float | None) -> str:
+    """A split's score for the progress bar: three decimals, or ``-`` for an empty split."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def announce_run_dir(where: RunDir) -> None:
     """Say (through the ``tessera`` logger) that a run took a suffixed directory."""
     if where.instead_of is not None:
@@ -254,7 +259,8 @@ class _MetricsFiles:
             for key in self.columns[1:]:
                 split, _, what = key.rpartition("_")  # train_loss -> loss/train
                 tag = "time/epoch_s" if key == "epoch_time_s" else f"{what}/{split}"
-                self.tb.add_scalar(tag, rec[key], rec["epoch"])
+                if rec[key] is not None:  # an empty split has no value
+                    self.tb.add_scalar(tag, rec[key], rec["epoch"])
             self.tb.flush()
 
     def close(self) -> None:
@@ -357,6 +363,7 @@ class Trainer:
         self.best: dict[str, Any] = {f"val_{self.metric}": -1.0, "val_loss": float("inf"), "epoch": 0, "state": None}
         self.bad_epochs = 0
         self.history: list[dict[str, Any]] = []
+        self._require_validation()  # at set-up: before anything is written or announced
 
     def kernels(self) -> AbstractContextManager[None]:
         """The run's kernels for the block: with ``--backend torch`` every kernel of the step is the
@@ -406,14 +413,14 @@ class Trainer:
         self.opt.step()
         return float(self.comm.all_reduce_sum(loss.detach().clone()))
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, float | None]:
         """Accuracy on each split (``train_acc``, ...; of multi-label targets the ROC-AUC averaged
         over the tasks, ``train_rocauc``, ...) and the validation loss, in eval mode (no dropout),
-        over all ranks."""
+        over all ranks; None for an empty split (and ``val_loss`` None without validation vertices)."""
         with self.kernels(), torch.no_grad():
             return self._evaluate()
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(self) -> dict[str, float | None]:
         self.model.eval()
         if self.log is not None:
             self.log.start_forward("eval")
@@ -426,18 +433,21 @@ class Trainer:
         vi = self.idx["val"]
         sums.append(F.cross_entropy(logits[vi].float(), self.y[vi], reduction="sum").to(torch.float64))
         tot = self.comm.all_reduce_sum(torch.stack(sums))
-        res = {f"{k}_acc": float(tot[n] / self.counts[k]) if self.counts[k] else 0.0 for n, k in enumerate(self.idx)}
-        res["val_loss"] = float(tot[3] / max(self.counts["val"], 1))
+        # an empty split has no accuracy (None: null in result.json), never a 0.0 that reads as a measurement
+        res: dict[str, float | None] = {
+            f"{k}_acc": float(tot[n] / self.counts[k]) if self.counts[k] else None for n, k in enumerate(self.idx)
+        }
+        res["val_loss"] = float(tot[3] / self.counts["val"]) if self.counts["val"] else None
         return res
 
-    def _evaluate_multilabel(self, logits: torch.Tensor) -> dict[str, float]:
+    def _evaluate_multilabel(self, logits: torch.Tensor) -> dict[str, float | None]:
         """Each split's ROC-AUC (OGB's, :func:`~tessera.train.evaluate.mean_rocauc`) of the logits,
         over the split's rows of every rank (gathered: an AUC is no sum), and the validation
         binary cross-entropy per labelled target."""
-        res = {}
+        res: dict[str, float | None] = {}
         for k, i in self.idx.items():
             if not self.counts[k]:
-                res[f"{k}_rocauc"] = 0.0
+                res[f"{k}_rocauc"] = None  # an empty split has no ROC-AUC
                 continue
             scores = self.comm.all_gather_rows(logits[i].float()).cpu()
             labels = self.comm.all_gather_rows(self.y[i]).cpu()
@@ -450,7 +460,8 @@ class Trainer:
                 ) from None
         vi = self.idx["val"]
         val = bce_rows(logits, vi, self.y[vi]).to(torch.float64).reshape(1)
-        res["val_loss"] = float(self.comm.all_reduce_sum(val)[0] / max(self._targets["val"], 1))
+        total = float(self.comm.all_reduce_sum(val)[0])
+        res["val_loss"] = total / self._targets["val"] if self._targets["val"] else None
         return res
 
     def predict(self) -> torch.Tensor:
@@ -602,14 +613,16 @@ class Trainer:
                 self.history.append(rec)
                 metrics.write(rec)
                 key = f"val_{self.metric}"
-                better = ev[key] > self.best[key] or (
-                    ev[key] == self.best[key] and ev["val_loss"] < self.best["val_loss"]
-                )
+                score, val_loss = ev[key], ev["val_loss"]
+                if score is None or val_loss is None:  # no validation split (--patience 0): the last epoch's weights
+                    better, score, val_loss = True, -1.0, 0.0
+                else:
+                    better = score > self.best[key] or (score == self.best[key] and val_loss < self.best["val_loss"])
                 if better:
                     state = copy.deepcopy(self.model.state_dict())
                     self.best = {
-                        key: ev[key],
-                        "val_loss": ev["val_loss"],
+                        key: score,
+                        "val_loss": val_loss,
                         "epoch": self.epoch,
                         "state": state,
                     }
@@ -620,9 +633,9 @@ class Trainer:
                 if self.epoch % cfg.checkpoint_every == 0 or stopped or self.epoch == cfg.epochs:
                     self._checkpoint()
                 if self.multilabel:  # named: a ROC-AUC is no accuracy
-                    shown = {"train_rocauc": f"{ev['train_rocauc']:.3f}", "val_rocauc": f"{ev['val_rocauc']:.3f}"}
+                    shown = {"train_rocauc": _shown(ev["train_rocauc"]), "val_rocauc": _shown(ev["val_rocauc"])}
                 else:
-                    shown = {"train": f"{ev['train_acc']:.3f}", "val": f"{ev['val_acc']:.3f}"}
+                    shown = {"train": _shown(ev["train_acc"]), "val": _shown(ev["val_acc"])}
                 bar.set_postfix(loss=f"{loss:.4f}", **shown, t=f"{step * 1e3:.1f}ms")
                 bar.update(1)
         finally:
@@ -639,11 +652,23 @@ class Trainer:
             )
         return self._finish(stopped)
 
+    def _require_validation(self) -> None:
+        """Refuse, before anything is written, a run without validation vertices that early
+        stopping or best-epoch selection would need: with ``--patience 0`` it trains every epoch
+        and keeps the last epoch's weights, as a plain training loop does."""
+        if self.counts["val"] or self.cfg.patience == 0:
+            return
+        raise ConfigError(
+            f"the validation split of {self.info[0]} is empty, so early stopping and best-epoch selection "
+            f"have nothing to measure (--patience {self.cfg.patience}); give the graph validation vertices, "
+            "or pass --patience 0 to train every epoch and keep the last epoch's weights"
+        )
+
     def _stop_if_diverged(self, rec: dict[str, Any]) -> None:
         """Stop the run, before the epoch is recorded or checkpointed, on a NaN or infinite loss
         (the same on every rank: both losses are all-reduced)."""
         for key, what in (("train_loss", "training loss"), ("val_loss", "validation loss")):
-            if not math.isfinite(rec[key]):
+            if rec[key] is not None and not math.isfinite(rec[key]):
                 raise TesseraError(
                     f"training diverged at epoch {self.epoch}: the {what} is {rec[key]}; "
                     f"lower --lr (now {self.cfg.lr:g}) and train again without --resume"

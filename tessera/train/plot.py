@@ -19,11 +19,14 @@ def plot_curves(history: list[dict[str, float]], path: str | Path, title: str = 
     metric = "rocauc" if history and "val_rocauc" in history[0] else "acc"
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot(epochs, [h["train_loss"] for h in history], label="train loss")
-    ax_loss.plot(epochs, [h["val_loss"] for h in history], label="val loss")
+    if history and history[0]["val_loss"] is not None:  # None: no validation split
+        ax_loss.plot(epochs, [h["val_loss"] for h in history], label="val loss")
     ax_loss.set_xlabel("epoch")
     ax_loss.set_ylabel("binary cross-entropy" if metric == "rocauc" else "cross-entropy")
     ax_loss.legend()
     for split in ("train", "val", "test"):
+        if history and history[0][f"{split}_{metric}"] is None:
+            continue  # an empty split has no curve
         ax_acc.plot(epochs, [h[f"{split}_{metric}"] for h in history], label=split)
     ax_acc.set_xlabel("epoch")
     ax_acc.set_ylabel("ROC-AUC (mean over tasks)" if metric == "rocauc" else "accuracy")

@@ -157,6 +157,80 @@ def index_mask(idx: Any, num_nodes: int, source: str) -> torch.Tensor:
     return mask
 
 
+def integer_array(arr: np.ndarray, source: str, what: str) -> np.ndarray:
+    """``arr`` as int64 when it holds integers: an integer array, or a float array whose values are
+    all whole numbers (12.0); a fractional (12.7), NaN or infinite value, or any other dtype, is
+    refused naming the first offending entry instead of being truncated."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind in "iu":
+        return arr.astype(np.int64)
+    if arr.dtype.kind != "f":
+        raise DatasetError(f"{source}: {what} must be integers, got a {arr.dtype} array")
+    flat = arr.ravel()
+    bad = ~np.isfinite(flat)
+    bad[~bad] = flat[~bad] != np.floor(flat[~bad])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise DatasetError(
+            f"{source}: {what} must be integers, but entry {i} is {flat[i].item()!r} (store them as an integer array)"
+        )
+    if flat.size and (flat.min() < np.iinfo(np.int64).min or flat.max() >= 2.0**63):
+        raise DatasetError(f"{source}: {what} hold a value beyond the int64 range")
+    return arr.astype(np.int64)
+
+
+def _says_mask(key: str) -> bool:
+    return key.endswith("_mask") or key.startswith("mask_")
+
+
+def split_mask(arr: Any, num_nodes: int, key: str, source: str, *, ids_only: bool = False) -> torch.Tensor:
+    """The boolean mask that the stored split array ``key`` means, deciding mask or index list by
+    meaning, not by dtype alone: a boolean array is a mask (one entry per vertex); a numeric array
+    named ``*_mask`` is a mask when it has one 0/1 entry per vertex and is refused otherwise; any
+    other numeric array is a list of vertex ids, which must be whole numbers in
+    ``[0, num_nodes)`` without duplicates. A list of ids the length of the graph holding only 0s
+    and 1s (a mask stored under an index name) is ambiguous and refused, naming the fix, unless
+    ``ids_only`` (a format whose split files only ever list ids, as OGB's)."""
+    arr = np.asarray(arr)
+    if arr.ndim == 2 and arr.shape[1] == 1:  # OGB-style (k, 1) columns
+        arr = arr[:, 0]
+    n = int(num_nodes)
+    fix_mask = f"store a mask as a boolean array of {n} entries (or 0/1 numbers named *_mask), vertex ids as *_idx"
+    if arr.dtype.kind == "b" or _says_mask(key):
+        if arr.dtype.kind not in "biuf":
+            raise DatasetError(f"{source}: {key} is a {arr.dtype} array; {fix_mask}")
+        if arr.shape != (n,):
+            raise DatasetError(f"{source}: mask {key} has shape {tuple(arr.shape)}, expected ({n},); {fix_mask}")
+        if arr.dtype.kind != "b":
+            bad = (arr != 0) & (arr != 1)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise DatasetError(
+                    f"{source}: mask {key} holds {arr[i].item()!r} at vertex {i}, not 0 or 1; {fix_mask}"
+                )
+        return torch.from_numpy(np.ascontiguousarray(arr != 0))
+    if arr.ndim > 1:
+        raise DatasetError(f"{source}: {key} has shape {tuple(arr.shape)}; a list of vertex ids is 1-D")
+    idx = integer_array(arr, source, f"the vertex ids in {key}")
+    if not ids_only and n > 0 and idx.size == n and not ((idx != 0) & (idx != 1)).any():
+        raise DatasetError(
+            f"{source}: {key} has one 0/1 entry per vertex, so it may be a mask rather than vertex ids; "
+            f"save it as a boolean array (np.bool_) or under a *_mask name if it is a mask, or list distinct vertex ids"
+        )
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        bad_id = int(idx[(idx < 0) | (idx >= n)][0])
+        raise DatasetError(f"{source}: {key} holds vertex id {bad_id}, outside [0, {n})")
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.from_numpy(idx)] = True
+    if int(mask.sum()) != idx.size:
+        counts = np.bincount(idx, minlength=n)
+        dup = int(np.flatnonzero(counts > 1)[0])
+        raise DatasetError(
+            f"{source}: {key} lists vertex {dup} {int(counts[dup])} times; a split lists each vertex id once"
+        )
+    return mask
+
+
 def labelled_only(masks: dict[str, torch.Tensor], y: torch.Tensor) -> tuple[dict[str, torch.Tensor], int]:
     """Remove unlabelled vertices (label -1; multi-label: every target -1) from each mask; also
     return how many were removed."""

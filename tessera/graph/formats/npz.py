@@ -12,7 +12,13 @@ import torch
 
 from tessera.errors import DatasetError
 from tessera.graph.csr import rows_of
-from tessera.graph.formats._common import edges_to_graph, index_mask, label_data, labels_from_array
+from tessera.graph.formats._common import (
+    edges_to_graph,
+    integer_array,
+    label_data,
+    labels_from_array,
+    split_mask,
+)
 from tessera.graph.formats._limits import check_npy_size, npy_header, require_memory
 from tessera.graph.graph import Graph
 
@@ -63,13 +69,16 @@ def _csr(f: Any, prefix: str, path: Path) -> tuple[np.ndarray, np.ndarray, np.nd
     if raw_shape.dtype.kind not in "iu" or raw_shape.size != 2 or (raw_shape < 0).any():
         raise DatasetError(f"{path}: {prefix}_shape is {raw_shape.tolist()}, expected two non-negative integers")
     shape = (int(raw_shape[0]), int(raw_shape[1]))
+    # Whole-number floats (12.0) are read as integers; a fractional one is refused, never truncated.
+    indices = integer_array(indices, str(path), f"{prefix}_indices (column ids)")
+    indptr = integer_array(indptr, str(path), f"{prefix}_indptr (row offsets)")
     if indptr.ndim != 1 or indptr.size != shape[0] + 1 or indices.size != data.size:
         raise DatasetError(f"{path}: {prefix}_* arrays do not form a CSR matrix of shape {shape}")
     if indptr.size and (indptr[0] != 0 or indptr[-1] != indices.size or np.any(np.diff(indptr) < 0)):
         raise DatasetError(f"{path}: {prefix}_indptr is not a valid CSR row pointer")
     if indices.size and (indices.min() < 0 or indices.max() >= shape[1]):
         raise DatasetError(f"{path}: {prefix}_indices has a column outside [0, {shape[1]})")
-    return data, indices.astype(np.int64), indptr.astype(np.int64), shape
+    return data, indices, indptr, shape
 
 
 def _features(f: Any, path: Path, n: int) -> np.ndarray | None:
@@ -138,14 +147,7 @@ def load_npz(path: str | Path, *, seed: int = 0, undirected: bool = True, name: 
             for mask, keys in _SPLIT_KEYS.items():
                 key = next((k for k in keys if k in f.files), None)
                 if key is not None:
-                    arr = _get(f, key, path)
-                    masks[mask] = (
-                        torch.from_numpy(arr.astype(bool))
-                        if arr.dtype == bool
-                        else index_mask(arr, n, f"{path} ({key})")
-                    )
-                    if masks[mask].shape != (n,):
-                        raise DatasetError(f"{path}: {key} has shape {tuple(arr.shape)}, expected ({n},)")
+                    masks[mask] = split_mask(_get(f, key, path), n, key, str(path))
             node_data.update(label_data(y, masks or None, seed, f"{path} (labels)", _declared_classes(f, path)))
         elif any(k in f.files for keys in _SPLIT_KEYS.values() for k in keys):
             raise DatasetError(f"{path} has a split but no labels")

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tessera.errors import DatasetError
-from tessera.graph.formats._common import MASKS, edges_to_graph, index_mask, label_data, labels_from_array
+from tessera.graph.formats._common import MASKS, edges_to_graph, label_data, labels_from_array, split_mask
 from tessera.graph.formats._limits import check_vertex_count
 from tessera.graph.formats._text import parse_csv, read_gzip
 from tessera.graph.graph import Graph
@@ -86,7 +86,7 @@ def load_ogb(
             for key, stem in _SPLIT_FILES.items():
                 f = split_dir / f"{stem}.csv.gz"
                 if f.is_file():
-                    masks[key] = index_mask(_table(f, np.int64, 1), n, str(f))
+                    masks[key] = split_mask(_table(f, np.int64, 1), n, "the split", str(f), ids_only=True)
         node_data.update(label_data(y, masks, seed, str(raw / "node-label.csv.gz")))
     source = str(raw / "edge.csv.gz")
     return edges_to_graph(edges[:, 0], edges[:, 1], n, source=source, undirected=undirected, bound=bound, **node_data)

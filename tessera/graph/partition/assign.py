@@ -314,6 +314,65 @@ def load_meta(out_dir: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+def _ints(path: Path, data: dict[str, Any], name: str, hi: int, what: str) -> np.ndarray:
+    """Array ``name`` of a part file, checked to hold integers in ``[0, hi)`` (``what``: the bound)."""
+    a = data[name]
+    if a.dtype.kind not in "iu":
+        raise DatasetError(f"{path} is corrupt: {name} is a {a.dtype} array, expected integers")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= hi):
+        bad = int(a.ravel()[(a.ravel() < 0) | (a.ravel() >= hi)][0])
+        raise DatasetError(
+            f"{path} is corrupt: {name} holds {bad}, outside [0, {hi}) ({what}); rewrite the partition directory"
+        )
+    return a
+
+
+def _check_ownership(out_dir: Path, path: Path, data: dict[str, Any], k: int, parts: int) -> None:
+    """Refuse part ``k`` unless its vertex ids are in range and it owns exactly the vertices that
+    the directory's ``parts.npy`` (the one assignment every part was cut from) gives part ``k``:
+    so no vertex is owned twice or by no part, whichever rank reads which file."""
+    n = int(data["num_nodes"])
+    if n < 0:
+        raise DatasetError(f"{path} is corrupt: num_nodes is {n}")
+    owned = _ints(path, data, "owned", n, f"the graph's {n} vertices")
+    if owned.ndim != 1 or (owned.size > 1 and bool((np.diff(owned) <= 0).any())):
+        raise DatasetError(
+            f"{path} is corrupt: owned is not a sorted list of distinct vertex ids; rewrite the partition directory"
+        )
+    _ints(path, data, "src", n, f"the graph's {n} vertices")
+    _ints(path, data, "out_dst", n, f"the graph's {n} vertices")
+    _ints(path, data, "ref_ids", n, f"the graph's {n} vertices")
+    _ints(path, data, "out_src", owned.size, f"the part's {owned.size} owned vertices")
+    _ints(path, data, "ref_part", parts, f"the {parts} parts")
+    if bool((np.diff(data["indptr"]) < 0).any()):
+        raise DatasetError(f"{path} is corrupt: indptr decreases; rewrite the partition directory")
+    assignment = out_dir / "parts.npy"
+    if not assignment.is_file():
+        raise DatasetError(
+            f"{assignment} is missing, so the ownership of {path.name} cannot be checked; rewrite the partition directory"
+        )
+    from tessera.graph.formats._common import load_npy
+
+    every = load_npy(assignment, "the partition vector")
+    if every.shape != (n,) or every.dtype.kind not in "iu":
+        raise DatasetError(
+            f"{assignment} is corrupt: a {every.dtype} array of shape {every.shape}, expected {n} part ids"
+        )
+    if n and (int(every.min()) < 0 or int(every.max()) >= parts):
+        raise DatasetError(f"{assignment} is corrupt: a part id outside [0, {parts})")
+    if not np.array_equal(owned, np.flatnonzero(every == k)):
+        mine = np.zeros(n, dtype=bool)
+        mine[owned] = True
+        other = np.flatnonzero(mine & (every != k))
+        if other.size:
+            v = int(other[0])
+            why = f"vertex {v}, which parts.npy gives part {int(every[v])} (a vertex shared between parts)"
+        else:
+            v = int(np.flatnonzero(~mine & (every == k))[0])
+            why = f"no entry for vertex {v}, which parts.npy gives this part (a vertex no part trains)"
+        raise DatasetError(f"{path} owns {why}; rewrite the partition directory with tessera partition")
+
+
 _REQUIRED = (
     "rank",
     "parts",
@@ -377,6 +436,7 @@ def load_part(
         ok = ok and data["x"].shape[:1] == (n_owned,)
     if not ok:
         raise DatasetError(f"{path} is corrupt: inconsistent array shapes")
+    _check_ownership(Path(out_dir), path, data, int(k), parts)
     for name in ("x", "weight", "out_weight"):  # as a whole graph's loaders refuse them
         a = data.get(name)
         if a is not None and np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
