@@ -46,6 +46,7 @@ class CommLog:
     def add_time(self, layer: int, direction: int, name: str, seconds: float) -> None:
         """Accumulate time spent in exchange, quantization or local compute."""
         if self.phase == "train":
+            self.layers = max(self.layers, layer + 1)  # a layer may be timed without sending a byte
             key = (layer, direction, name)
             self._times[key] = self._times.get(key, 0.0) + seconds
 
