@@ -125,6 +125,11 @@ def aggregate(
     of the same position, which needs as many output rows as input rows)."""
     check_reduce(reduce)
     a = as_operand(operand, backend)
+    if x.dim() not in (2, 3):
+        raise ValueError(
+            f"x must be (N, F) or (N, H, F), got shape {tuple(x.shape)}: a vector of one value per vertex is "
+            "x.unsqueeze(1)"
+        )
     if x.shape[0] != a.num_cols:
         raise ValueError(f"x has {x.shape[0]} rows but the operand has {a.num_cols} source vertices")
     if weight is not None:

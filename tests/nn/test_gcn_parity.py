@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch_geometric.nn as pyg
 
+from helpers import awkward_edge_index
 from tessera import Graph
 from tessera.errors import ConfigError
 from tessera.nn import GCNConv
 from tessera.parallel.partition import _with_self_loops
-from tests.helpers import awkward_edge_index
 
 
 def _edges(loops: bool) -> tuple[torch.Tensor, int]:

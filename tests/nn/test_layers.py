@@ -119,3 +119,26 @@ def test_a_relu_output_only_summed_by_the_next_layer_is_kept_as_a_mask(name, opt
     out = m(torch.randn(g.num_nodes, 8), g)
     assert m.convs[1].fusion().reads_input == (masks == 0)
     assert _saved_bool_masks(out) == masks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"heads": 0}, "GATConv heads must be at least 1, got 0"),
+        ({"out_channels": 0}, "GATConv out_channels must be at least 1, got 0"),
+        ({"dropout": 1.0}, r"GATConv dropout must be in \[0, 1\), got 1.0"),
+    ],
+)
+def test_gat_refuses_impossible_settings_when_built(kwargs, message):
+    from tessera.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        GATConv(**{"in_channels": 4, "out_channels": 4, **kwargs})
+
+
+def test_aggregate_refuses_a_vector_and_names_the_fix():
+    from tessera import sparse
+
+    g = awkward_graph()
+    with pytest.raises(ValueError, match=r"x must be \(N, F\) or \(N, H, F\).*unsqueeze"):
+        sparse.aggregate(g, torch.randn(g.num_nodes), "sum")

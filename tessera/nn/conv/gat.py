@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tessera import dense, sparse
+from tessera.errors import ConfigError
 from tessera.memo import PlanCache
 from tessera.nn.conv._util import add_bias_, glorot_
 from tessera.nn.conv.base import Fusion, GraphConv, LayerHints
@@ -34,6 +35,11 @@ class GATConv(GraphConv):
         backend: str = "auto",
     ) -> None:
         super().__init__()
+        for name, value in (("in_channels", in_channels), ("out_channels", out_channels), ("heads", heads)):
+            if value < 1:
+                raise ConfigError(f"GATConv {name} must be at least 1, got {value}")
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"GATConv dropout must be in [0, 1), got {dropout}")
         self.in_channels, self.out_channels, self.heads, self.concat = in_channels, out_channels, heads, concat
         self.negative_slope, self.dropout, self.add_self_loops, self.backend = (
             negative_slope,
