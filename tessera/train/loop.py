@@ -13,6 +13,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
@@ -719,42 +720,16 @@ class Trainer:
         return result
 
 
-def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
-    """Load ``cfg.dataset`` (unless a graph is given), train, and return the result dict.
+@contextlib.contextmanager
+def _peers_may_fail(rank: int) -> Iterator[None]:
+    """A distributed rank's block: a failed collective (gloo/NCCL: a peer died, hung past
+    ``--timeout``, or broke the exchange) becomes one :class:`DistributedError`, and any error
+    leaves the process group first."""
+    from tessera.comm.group import shutdown
 
-    Inside a distributed job (``WORLD_SIZE`` > 1, from ``tessera train --nprocs`` or torchrun)
-    every rank runs this; each trains its partition and rank 0 writes the outputs."""
-    single = env_world_size() <= 1 and not cfg.parts_dir
-    # what loading announces (a generated split) is said once the run's set-up has passed its checks
-    with announce_when_loaded() if single else contextlib.nullcontext():
-        if graph is None and not cfg.parts_dir:
-            from tessera.datasets import load
-
-            graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
-        if single:
-            assert graph is not None  # loaded above
-            trainer = Trainer(cfg, graph)
-    if single:
-        del graph  # a renumbered run trains on its own copy: the loaded graph's memory can go
-        return trainer.fit()
-    from tessera.comm.group import init_from_env, shutdown
-
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        cfg.resume = True  # a restarted torchrun worker continues from the last checkpoint
-    world, rank = env_world_size(), int(os.environ.get("RANK", "0"))
-    part = None
-    if cfg.parts_dir:  # each rank reads only its own part file, before joining: a bad file fails alone
-        from tessera.graph.partition import load_part
-
-        part = load_part(cfg.parts_dir, rank, expect_parts=world)
-    comm = single_process()
     try:
-        if world > 1:  # each rank on its own GPU (cuda:LOCAL_RANK) or on the CPU, as --device says
-            comm = init_from_env(cfg.timeout, training_device(cfg.device, True))
-        source = graph if part is None else part
-        assert source is not None  # the graph loaded above, unless part files were given
-        result = Trainer(cfg, source, comm).fit()
-    except RuntimeError as e:  # gloo/NCCL: a peer died, hung past --timeout, or broke the exchange
+        yield
+    except RuntimeError as e:
         shutdown(clean=False)
         if os.environ.get("TESSERA_DEBUG"):
             raise
@@ -763,5 +738,45 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
     except BaseException:
         shutdown(clean=False)
         raise
+
+
+def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
+    """Load ``cfg.dataset`` (unless a graph is given), train, and return the result dict.
+
+    Inside a distributed job (``WORLD_SIZE`` > 1, from ``tessera train --nprocs`` or torchrun)
+    every rank runs this; each trains its partition and rank 0 writes the outputs."""
+    from tessera.comm.group import init_from_env, shutdown
+
+    single = env_world_size() <= 1 and not cfg.parts_dir
+    world, rank = env_world_size(), int(os.environ.get("RANK", "0"))
+    # what loading announces (a generated split) is said once the run's set-up has passed its checks
+    with announce_when_loaded():
+        if graph is None and not cfg.parts_dir:
+            from tessera.datasets import load
+
+            graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
+        if single:
+            assert graph is not None  # loaded above
+            trainer = Trainer(cfg, graph)
+        else:
+            if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+                cfg.resume = True  # a restarted torchrun worker continues from the last checkpoint
+            part = None
+            if cfg.parts_dir:  # each rank reads only its own part file, before joining: a bad file fails alone
+                from tessera.graph.partition import load_part
+
+                part = load_part(cfg.parts_dir, rank, expect_parts=world)
+            comm = single_process()
+            with _peers_may_fail(rank):
+                if world > 1:  # each rank on its own GPU (cuda:LOCAL_RANK) or on the CPU, as --device says
+                    comm = init_from_env(cfg.timeout, training_device(cfg.device, True))
+                source = graph if part is None else part
+                assert source is not None  # the graph loaded above, unless part files were given
+                trainer = Trainer(cfg, source, comm)
+    if single:
+        del graph  # a renumbered run trains on its own copy: the loaded graph's memory can go
+        return trainer.fit()
+    with _peers_may_fail(rank):
+        result = trainer.fit()
     shutdown(clean=True)
     return result

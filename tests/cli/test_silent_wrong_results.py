@@ -181,6 +181,26 @@ def test_an_empty_validation_split_is_refused_unless_patience_0(tmp_path, capsys
     assert result["test_acc"] is not None and "no validation split" in summary, summary
 
 
+@pytest.mark.distributed
+def test_a_distributed_run_refused_at_set_up_says_only_why(tmp_path, capfd):
+    """Its ranks hold the generated split's announcement until set-up has passed: a refused run's
+    whole stderr (the workers' included) is the one error line."""
+    n = 40
+    path = tmp_path / "iso.npz"  # isolated vertices and no split: the generated one has no validation vertices
+    np.savez(
+        path, adj_data=np.zeros(0, np.float32), adj_indices=np.zeros(0, np.int64), adj_indptr=np.zeros(n + 1, np.int64),
+        adj_shape=np.array([n, n]), attr_matrix=np.ones((n, 4), np.float32), labels=np.arange(n) % 2,
+    )  # fmt: skip
+    argv = ["train", "--dataset", str(path), *RUN, "--nprocs", "2", "--partition", "range"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tessera: error: ") and "--patience 0" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+    # with --patience 0 the same ranks train (no exchange between isolated parts: nothing sent)
+    assert main([*argv, "--patience", "0", "--out", str(tmp_path / "ok")]) == 0
+    assert json.loads((tmp_path / "ok" / "result.json").read_text())["val_acc"] is None
+
+
 # ------------------------------------------------------------------ 3. part files
 
 
