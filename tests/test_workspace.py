@@ -195,10 +195,16 @@ def test_a_steady_training_step_maps_no_new_memory_for_its_large_tensors(model, 
     with gemm_path.forced(path):
         tr.train_step()
         tr.train_step()
-        before = _minor_faults()
-        tr.train_step()
-        faults = _minor_faults() - before
-    assert faults < pages_per_activation, f"{faults} minor faults in a steady {model} step"
+        # the fewest of three steady steps: glibc's heap trimming sometimes returns and re-faults a
+        # few tens of MiB of the step's small temporaries (GIN: 7k-14k faults in one step, 1k-8k in
+        # the next, at the same commit); a step that maps its large tensors afresh does so every time
+        steps = []
+        for _ in range(3):
+            before = _minor_faults()
+            tr.train_step()
+            steps.append(_minor_faults() - before)
+    faults = min(steps)
+    assert faults < pages_per_activation, f"{steps} minor faults in steady {model} steps"
     assert workspace.DEFAULT.held_bytes() > 0
 
 
