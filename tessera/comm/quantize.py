@@ -22,7 +22,7 @@ bytes in all; a group of ``m <= G`` rows is::
 
 Value ``j`` of a row sits in its data byte ``j // (8 // bits)`` at bit offset
 ``(j % (8 // bits)) * bits`` (the first value in the low bits); unused bits of a row's last byte
-are zero. :func:`layout` gives each block's first row, group and byte.
+are zero. :func:`tessera.comm.wire.layout` gives each block's first row, group and byte.
 
 A constant group gets ``S = 0`` and decodes exactly. A group holding inf or nan is sent as
 ``S = Z = nan`` with zero data and decodes to all-nan (its ``G`` rows): non-finite values
@@ -56,7 +56,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from tessera.comm.quantize_torch import decode_torch, encode_torch
-from tessera.comm.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
+from tessera.comm.wire import PARAM_BYTES, block_splits, data_bytes, group_rows, layout
 from tessera.kernels.hashing import const, index_hash, lowbias32_ir
 from tessera.kernels.hashing import hash32 as _hash32
 from tessera.kernels.hashing import hash_u32 as _hash_u32
@@ -626,23 +626,6 @@ def _decode(buf, out, bits, ndata, group, rstart, gstart, bstart, stream):
             _fence()
 
 
-def layout(splits, width: int, bits: int, group: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Where the blocks of ``splits`` rows lie in an encoded buffer: int64 arrays of length
-    ``len(splits) + 1`` with each block's first row, first group and first byte (the last entry
-    of each is the total), from :func:`tessera.comm.wire.block_bytes`."""
-    check_bits(bits)
-    if bits == 32:
-        raise ValueError("32-bit rows are sent as float32 directly, not encoded")
-    n = np.asarray(splits, dtype=np.int64).reshape(-1)
-    if n.size and n.min() < 0:
-        raise ValueError(f"block row counts must be non-negative, got {n.tolist()}")
-    g = group_rows(group)
-    starts = [np.zeros(n.size + 1, dtype=np.int64) for _ in range(3)]
-    for a, v in zip(starts, (n, -(-n // g), wire_bytes(n, width, bits, g))):
-        np.cumsum(v, out=a[1:])
-    return starts[0], starts[1], starts[2]
-
-
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype)
@@ -651,16 +634,6 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dt
             f"out must be a contiguous CPU {dtype} tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}"
         )
     return out
-
-
-def _splits(splits, rows: int | None) -> list[int]:
-    if splits is None:
-        if rows is None:
-            raise TypeError("splits is required: the row count of each block")
-        return [rows]
-    if isinstance(splits, (int, np.integer)):
-        return [int(splits)]
-    return [int(n) for n in splits]
 
 
 def encode(
@@ -682,7 +655,7 @@ def encode(
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise TypeError(f"encode expects a 2-D float32 CPU tensor, got {x.dim()}-D {x.dtype} on {x.device}")
     rows, width = x.shape
-    splits = _splits(splits, rows)
+    splits = block_splits(splits, rows)
     group = group_rows(group)
     rstart, gstart, bstart = layout(splits, width, bits, group)
     if rstart[-1] != rows:
@@ -711,7 +684,7 @@ def decode(
     :func:`tessera.comm.quantize_torch.decode_torch` (the same values)."""
     if not host_kernels(buf, *([] if out is None else [out])):
         return decode_torch(buf, width, bits, splits, out=out, group=group)
-    splits = _splits(splits, None)
+    splits = block_splits(splits, None)
     group = group_rows(group)
     rstart, gstart, bstart = layout(splits, width, bits, group)
     if buf.dtype != torch.uint8 or buf.device.type != "cpu" or buf.numel() != bstart[-1]:

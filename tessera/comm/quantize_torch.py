@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tessera.comm.wire import PARAM_BYTES, check_bits, data_bytes, group_rows, wire_bytes
+from tessera.comm.wire import PARAM_BYTES, block_splits, data_bytes, group_rows, layout
 from tessera.kernels.dropout_torch import _lowbias32, _lowbias32_int, _mul32
 
 _M32 = 0xFFFFFFFF
@@ -42,30 +42,6 @@ _F32_HALF = _F32_MAX / 2
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal
 _NAN_BITS = 0x7FC00000  # the quiet nan the kernels write as S and Z of a non-finite group
 _CHUNK = 1 << 18  # values per chunk of rows (int64 temporaries of 2 MiB)
-
-
-def _layout(splits: list[int], width: int, bits: int, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`tessera.comm.quantize.layout`, here as that module imports this one."""
-    check_bits(bits)
-    if bits == 32:
-        raise ValueError("32-bit rows are sent as float32 directly, not encoded")
-    n = np.asarray(splits, dtype=np.int64).reshape(-1)
-    if n.size and n.min() < 0:
-        raise ValueError(f"block row counts must be non-negative, got {n.tolist()}")
-    starts = [np.zeros(n.size + 1, dtype=np.int64) for _ in range(3)]
-    for a, v in zip(starts, (n, -(-n // group), wire_bytes(n, width, bits, group))):
-        np.cumsum(v, out=a[1:])
-    return starts[0], starts[1], starts[2]
-
-
-def _splits(splits, rows: int | None) -> list[int]:
-    if splits is None:
-        if rows is None:
-            raise TypeError("splits is required: the row count of each block")
-        return [rows]
-    if isinstance(splits, (int, np.integer)):
-        return [int(splits)]
-    return [int(n) for n in splits]
 
 
 def _check_out(
@@ -85,7 +61,7 @@ class _Places:
     """Where each row's data bytes and each group's parameters lie in the buffer (device tensors)."""
 
     def __init__(self, splits: list[int], width: int, bits: int, group: int, device: torch.device) -> None:
-        self.rstart, self.gstart, self.bstart = _layout(splits, width, bits, group)
+        self.rstart, self.gstart, self.bstart = layout(splits, width, bits, group)
         self.rows, self.groups, self.nbytes = int(self.rstart[-1]), int(self.gstart[-1]), int(self.bstart[-1])
         self.ndata = data_bytes(width, bits)
         stride = group * self.ndata + PARAM_BYTES
@@ -206,7 +182,7 @@ def encode_torch(
     if x.dim() != 2 or x.dtype != torch.float32:
         raise TypeError(f"encode expects a 2-D float32 tensor, got {x.dim()}-D {x.dtype} on {x.device}")
     rows, width = x.shape
-    splits = _splits(splits, rows)
+    splits = block_splits(splits, rows)
     group = group_rows(group)
     places = _Places(splits, width, bits, group, x.device)
     if places.rows != rows:
@@ -282,7 +258,7 @@ def decode_torch(
     group: int | None = None,
 ) -> torch.Tensor:
     """:func:`tessera.comm.quantize.decode` in torch ops on ``buf``'s device: bitwise its values."""
-    splits = _splits(splits, None)
+    splits = block_splits(splits, None)
     group = group_rows(group)
     dev = buf.device
     places = _Places(splits, width, bits, group, dev)

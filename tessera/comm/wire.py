@@ -67,3 +67,32 @@ def wire_bytes(rows, width: int, bits: int, group: int | None = None):
     """Total bytes of a block (or of each block of an array): data plus parameters."""
     data, params = block_bytes(rows, width, bits, group)
     return data + params
+
+
+def layout(splits, width: int, bits: int, group: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where the blocks of ``splits`` rows lie in an encoded buffer: int64 arrays of length
+    ``len(splits) + 1`` with each block's first row, first group and first byte (the last entry
+    of each is the total), from :func:`tessera.comm.wire.block_bytes`."""
+    check_bits(bits)
+    if bits == 32:
+        raise ValueError("32-bit rows are sent as float32 directly, not encoded")
+    n = np.asarray(splits, dtype=np.int64).reshape(-1)
+    if n.size and n.min() < 0:
+        raise ValueError(f"block row counts must be non-negative, got {n.tolist()}")
+    g = group_rows(group)
+    starts = [np.zeros(n.size + 1, dtype=np.int64) for _ in range(3)]
+    for a, v in zip(starts, (n, -(-n // g), wire_bytes(n, width, bits, g))):
+        np.cumsum(v, out=a[1:])
+    return starts[0], starts[1], starts[2]
+
+
+def block_splits(splits, rows: int | None) -> list[int]:
+    """The row count of each block: ``splits`` as a list (one int: one block; None: one block of
+    ``rows``, which is then required)."""
+    if splits is None:
+        if rows is None:
+            raise TypeError("splits is required: the row count of each block")
+        return [rows]
+    if isinstance(splits, (int, np.integer)):
+        return [int(splits)]
+    return [int(n) for n in splits]
