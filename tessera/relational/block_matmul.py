@@ -113,12 +113,18 @@ class BlockMatmulFn(torch.autograd.Function):
             gw = torch.zeros_like(weight)
             for b in ctx.blocks:
                 lo, hi = b.offset, b.offset + b.rows
-                if b.single_type is not None:
-                    gw[b.single_type].addmm_(x[lo:hi].t(), g[lo:hi])
-                else:
-                    xs, gs = x[lo:hi].view(b.units, b.size, -1), g[lo:hi].view(b.units, b.size, -1)
-                    gw.index_add_(0, b.types, torch.bmm(xs.transpose(1, 2), gs))
+                add_weight_grad(gw, b, x[lo:hi], g[lo:hi])
         return gx, gw, None
+
+
+def add_weight_grad(gw: torch.Tensor, b: Block, xs: torch.Tensor, gs: torch.Tensor) -> None:
+    """``gw[r] += xs^T gs`` for block ``b``'s input rows ``xs`` and output gradient rows ``gs``
+    (each unit with its own relation ``r``, or one GEMM where the block has a single type)."""
+    if b.single_type is not None:
+        gw[b.single_type].addmm_(xs.t(), gs)
+    else:
+        xv, gv = xs.view(b.units, b.size, -1), gs.view(b.units, b.size, -1)
+        gw.index_add_(0, b.types, torch.bmm(xv.transpose(1, 2), gv))
 
 
 def block_matmul(x: torch.Tensor, weight: torch.Tensor, blocks: Sequence[Block]) -> torch.Tensor:
@@ -197,12 +203,7 @@ class GatherBlockMatmulFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = torch.zeros_like(weight)
             for b, p in zip(ctx.blocks, ctx.pads, strict=True):
-                xs, gb = _gather(x, ctx.index, b, p), g[b.offset : b.offset + b.rows]
-                if b.single_type is not None:
-                    gw[b.single_type].addmm_(xs.t(), gb)
-                else:
-                    xv, gv = xs.view(b.units, b.size, -1), gb.view(b.units, b.size, -1)
-                    gw.index_add_(0, b.types, torch.bmm(xv.transpose(1, 2), gv))
+                add_weight_grad(gw, b, _gather(x, ctx.index, b, p), g[b.offset : b.offset + b.rows])
         if ctx.needs_input_grad[0]:
             # the rows' gradients at once, then one index_add: one call over every row ran 2-3x
             # faster than one per chunk (2 threads; a transient of the backward, not kept)
