@@ -182,17 +182,20 @@ def test_chunked_gathered_products_equal_the_reference_with_hubs_and_empty_relat
     et = torch.randint(0, R, (e,), generator=gen)
     et[(et == 1) | (et == R - 1)] = 2
     g = Graph.from_edge_index(ei, n, edge_type=et, num_relations=R)
-    x = torch.randn(n, 7, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(R, 7, 4, dtype=torch.float64, requires_grad=True)
-    want = relational_aggregate_reference(ei, et, x, w, "mean", n)
-    probe = torch.randn_like(want)
-    grads = torch.autograd.grad((want * probe).sum(), (x, w))
+    # float32, as the operand's 1 / |N_r(i)| are; the reference in float64, rounded
+    x = torch.randn(n, 7, generator=gen, requires_grad=True)
+    w = torch.randn(R, 7, 4, generator=gen, requires_grad=True)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want64 = relational_aggregate_reference(ei, et, x64, w64, "mean", n)
+    probe = torch.randn(want64.shape, generator=gen)
+    want = want64.float()
+    grads = [t.float() for t in torch.autograd.grad((want64 * probe.double()).sum(), (x64, w64))]
     real, rows = block_matmul.chunk_blocks, []
     monkeypatch.setattr(block_matmul, "chunk_blocks", lambda b, m: rows.append(m) or real(b, m))
-    for chunk in (3 * 7 * 8, None):
+    for chunk in (3 * 7 * 4, None):  # 3 rows of 7 float32 values
         monkeypatch.setattr(block_matmul, "GATHER_CHUNK_BYTES", chunk or 2**27)
         out = relational_aggregate(as_operand(g), x, w, "mean", variant)
-        assert rows[-1] == (3 if chunk else 2**27 // 56)
+        assert rows[-1] == (3 if chunk else 2**27 // 28)
         torch.testing.assert_close(out, want)
         for a, b in zip(torch.autograd.grad((out * probe).sum(), (x, w)), grads, strict=True):
             torch.testing.assert_close(a, b)
