@@ -84,11 +84,11 @@ def split_layer(conv: GraphConv, graph: GraphOperand, act: bool) -> LayerSplit:
         eps = conv.eps
         mlp = [first.weight, first.bias, last.weight, last.bias]
         trained = isinstance(eps, nn.Parameter)
-        fixed = 0.0 if trained else 1.0 + conv.fixed_eps()
 
         def gin(z: torch.Tensor, r: torch.Tensor | None, *p: torch.Tensor) -> torch.Tensor:
             assert r is not None
-            h = z + ((1 + p[4]) * r if trained else fixed * r)
+            # a fixed eps is read where it is used: a loaded state dict may have changed it
+            h = z + ((1 + p[4]) * r if trained else (1.0 + conv.fixed_eps()) * r)
             h = F.relu(F.linear(h, p[0], p[1]))
             return _relu_if(act, F.linear(h, p[2], p[3]))
 
@@ -115,8 +115,8 @@ class MixtureGNN(nn.Module):
         self.convs = gnn.convs
         self.dropout = gnn.dropout
         self.plan = plan
-        # per layer: the graph it was last given and that graph's aggregation, cut into tiles
-        self._aggregations: dict[int, tuple[GraphOperand, HostAggregation]] = {}
+        # per layer: the graph it was last given, the layer's split over it and its tiled aggregation
+        self._layers: dict[int, tuple[GraphOperand, LayerSplit, HostAggregation]] = {}
 
     @property
     def layers(self) -> tuple[GraphConv, ...]:
@@ -127,14 +127,16 @@ class MixtureGNN(nn.Module):
         """Each layer's :class:`~tessera.sparse.LayerSpec`, in order."""
         return [conv.describe() for conv in self.layers]
 
-    def _aggregation(self, layer: int, graph: GraphOperand, split: LayerSplit) -> HostAggregation:
-        kept = self._aggregations.get(layer)
+    def _layer(self, i: int, graph: GraphOperand) -> tuple[LayerSplit, HostAggregation]:
+        """Layer ``i`` split over ``graph`` and its aggregation cut into the plan's tiles, made once
+        per graph."""
+        kept = self._layers.get(i)
         if kept is not None and kept[0] is graph:
-            return kept[1]
-        scale = inv_in_degree(split.operand) if split.mean else None
-        agg = host_aggregation(split.operand, self.plan, scale)
-        self._aggregations[layer] = (graph, agg)
-        return agg
+            return kept[1], kept[2]
+        split = split_layer(self.layers[i], graph, act=i < len(self.convs) - 1)
+        agg = host_aggregation(split.operand, self.plan, inv_in_degree(split.operand) if split.mean else None)
+        self._layers[i] = (graph, split, agg)
+        return split, agg
 
     def forward(
         self,
@@ -150,16 +152,16 @@ class MixtureGNN(nn.Module):
             raise ConfigError("the mixture of accelerators runs without --label-prop")
         layers = self.layers
         operands = list(graph) if isinstance(graph, Sequence) else [graph] * len(layers)
+        if len(operands) != len(layers):
+            raise ValueError(f"{len(operands)} operands for {len(layers)} layers")
         h = x if x.device.type == "cpu" else x.cpu()
         host_rows = None if rows is None else rows.cpu()
-        for i, (conv, operand) in enumerate(zip(layers, operands, strict=True)):
-            last = i == len(layers) - 1
+        for i, operand in enumerate(operands):
             h = dense.dropout(h, self.dropout, self.training, host_rows)
-            split = split_layer(conv, operand, act=not last)
+            split, agg = self._layer(i, operand)
             h = aggregate_update(
-                h, self._aggregation(i, operand, split), split.update, split.params, self.plan, root=split.root,
-                out_on_device=last,
-            )  # fmt: skip
+                h, agg, split.update, split.params, self.plan, root=split.root, out_on_device=i == len(layers) - 1
+            )
         return h if targets is None else take_rows(h, targets.to(h.device))
 
 

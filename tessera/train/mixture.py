@@ -31,7 +31,7 @@ def choose_side(cfg: TrainConfig, model: GNN, operand: Operand, device: torch.de
     if device.type == "cpu":
         return None
     width = max(s.in_width for s in model.describe())
-    host = as_operand(operand, cfg.backend if cfg.backend != "torch" else "auto")
+    host = as_operand(operand, cfg.backend)  # the backend the layers aggregate with on the host
     rates = measure_rates(host, as_operand(operand, "auto"), width, device)
     return choose(_shapes(model, operand), rates, cfg.mixture_stages)
 
