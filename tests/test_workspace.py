@@ -176,35 +176,39 @@ def _minor_faults() -> int:
 @pytest.mark.parametrize("model", ["gcn", "sage", "gin", "gat"])
 def test_a_steady_training_step_maps_no_new_memory_for_its_large_tensors(model, path, tmp_path):
     # The hidden activations are above glibc's largest mmap threshold (32 MiB), so without the
-    # workspace each is a fresh mmap that page-faults in again every step (checked: this test
-    # fails with the workspace off); with it the third step reuses the second's blocks. The dense
+    # workspace each is a fresh mmap that page-faults in again every step (checked with the
+    # workspace off: SAGE, GIN and GAT steps fault 1-6 activations in again); with it the third step
+    # reuses the second's blocks. The dense
     # products run on each path that writes into kept blocks; the fresh-output oneDNN path, taken
     # only where it measured clearly faster, maps new memory by design (tests/test_gemm_path.py).
     if path != "mkl" and not gemm_path.onednn_usable():
         pytest.skip("this torch build has no oneDNN ops")
-    from tessera.datasets import load
+    from tessera.graph.synthetic import SyntheticSpec, generate
     from tessera.train.config import TrainConfig
     from tessera.train.loop import Trainer
 
-    graph = load("synthetic:small")
+    # Many vertices, few edges and a modest width, so an activation (59 MiB) dwarfs the tensors under
+    # the workspace's 1 MiB floor and glibc's mmap threshold, which its heap trimming sometimes
+    # returns and re-faults between steps: weight-sized ones (hidden^2; at 4.5 MiB a GIN step
+    # re-faulted about one activation's worth of them) and GAT's per-edge scores (6 MiB each).
+    spec = SyntheticSpec(80_000, 160_000, 64, 8, 2.3, 500, 0.75, 0.2, name="wide")
+    graph = generate(spec, seed=0)
     n = graph.num_nodes
-    hidden = 64 * -(-(40 << 20) // (n * 64 * 4))  # >= 40 MiB per activation, a multiple of 64
+    hidden = 192
     cfg = TrainConfig(model=model, dataset="synthetic:small", hidden=hidden, heads=4, epochs=3, out=str(tmp_path))
     tr = Trainer(cfg, graph)
     pages_per_activation = n * hidden * 4 // 4096
     with gemm_path.forced(path):
         tr.train_step()
         tr.train_step()
-        # the fewest of three steady steps: glibc's heap trimming sometimes returns and re-faults a
-        # few tens of MiB of the step's small temporaries (GIN: 7k-14k faults in one step, 1k-8k in
-        # the next, at the same commit); a step that maps its large tensors afresh does so every time
+        # the fewest of three steady steps: a step that maps its large tensors afresh does so every time
         steps = []
         for _ in range(3):
             before = _minor_faults()
             tr.train_step()
             steps.append(_minor_faults() - before)
     faults = min(steps)
-    assert faults < pages_per_activation, f"{steps} minor faults in steady {model} steps"
+    assert faults < pages_per_activation // 2, f"{steps} minor faults in steady {model} steps"
     assert workspace.DEFAULT.held_bytes() > 0
 
 
