@@ -7,8 +7,6 @@ import importlib
 import json
 import os
 import re
-import warnings
-import zipfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -16,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.errors import DatasetError, TesseraError
-from tessera.files import atomic_write, default_cache_dir
+from tessera.errors import DatasetError
+from tessera.files import atomic_write, default_cache_dir, kept
 from tessera.graph import graph as graph_module
 from tessera.graph.formats import (
     is_ntriples,
@@ -103,11 +101,18 @@ def _load_synthetic(preset: str, seed: int, name: str | None) -> Graph:
     if not known(preset):
         raise DatasetError(f"unknown synthetic preset {preset!r}; choose one of: {', '.join(sorted(presets))}")
     path = _synthetic_cache_path(mod, preset, seed)
-    g = _read_cached(path) if path is not None and path.is_file() else None
-    if g is None:
+    if path is None:
         g = mod.generate(preset, seed=seed)
-        if path is not None and g.num_edges >= _CACHED_MIN_EDGES:
-            _write_cached(path, g)
+    else:
+        g = kept(
+            path,
+            [path],
+            lambda: _read_cached(path),
+            lambda g: True,  # a Graph: validated as it was built
+            lambda: mod.generate(preset, seed=seed),
+            lambda g: g.num_edges >= _CACHED_MIN_EDGES and _write_cached(path, g),
+            "synthetic graph",
+        )
     return g.replace(name=name) if name and name != g.name else g
 
 
@@ -128,19 +133,18 @@ def _synthetic_cache_path(mod: ModuleType, preset: str, seed: int) -> Path | Non
     return default_cache_dir() / "synthetic" / f"{preset}-s{seed}-{h.hexdigest()}.npz"
 
 
-def _read_cached(path: Path) -> Graph | None:
-    """The graph :func:`_write_cached` stored at ``path``; None if the file cannot be read."""
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays: dict[str, Any] = {k: torch.from_numpy(z[k]) for k in _GRAPH_ARRAYS if k in z.files}
-            facts = json.loads(str(z["facts"]))
-        n = int(facts.pop("num_nodes"))
-        return Graph(arrays.pop("indptr"), arrays.pop("indices"), n, **facts, **arrays)
-    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, TesseraError):
-        return None  # unreadable or not a graph: generated again and rewritten
+def _read_cached(path: Path) -> Graph:
+    """The graph :func:`_write_cached` stored at ``path`` (OSError, ValueError, KeyError, ... if the
+    file is not one: :func:`tessera.files.kept` then generates it again and rewrites it)."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays: dict[str, Any] = {k: torch.from_numpy(z[k]) for k in _GRAPH_ARRAYS if k in z.files}
+        facts = json.loads(str(z["facts"]))
+    n = int(facts.pop("num_nodes"))
+    return Graph(arrays.pop("indptr"), arrays.pop("indices"), n, **facts, **arrays)
 
 
-def _write_cached(path: Path, g: Graph) -> None:
+def _write_cached(path: Path, g: Graph) -> bool:
+    """Keep ``g`` at ``path`` (atomically); True (OSError if it could not be written)."""
     arrays = {k: getattr(g, k).numpy() for k in _GRAPH_ARRAYS if getattr(g, k) is not None}
     facts = {"num_nodes": g.num_nodes, "num_classes": g.num_classes, "num_relations": g.num_relations, "name": g.name}
 
@@ -148,10 +152,8 @@ def _write_cached(path: Path, g: Graph) -> None:
         with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npz"
             np.savez(f, facts=np.array(json.dumps(facts)), **arrays)
 
-    try:
-        atomic_write(path, write)
-    except OSError as e:
-        warnings.warn(f"could not cache the synthetic graph at {path}: {e}", RuntimeWarning, stacklevel=3)
+    atomic_write(path, write)
+    return True
 
 
 def _planetoid_names(folder: Path) -> list[str]:

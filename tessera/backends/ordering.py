@@ -22,7 +22,7 @@ import torch
 from tessera.backends import select
 from tessera.backends.local import local_operand
 from tessera.errors import ConfigError
-from tessera.files import atomic_write
+from tessera.files import atomic_write, read_json_cache
 from tessera.graph import Graph
 from tessera.graph.order import (
     AUTO_MARGIN,
@@ -151,12 +151,15 @@ def choose_order(
 
     def make() -> str:
         path = _decision_path(graph, ws, backend, cache_dir)
-        try:
-            rec = json.loads(path.read_text())
-            if rec.get("choice") in ("none", *candidates) and rec.get("candidates") == list(candidates):
-                return rec["choice"]
-        except (OSError, ValueError, AttributeError):
-            pass
+
+        def well_formed(rec: object) -> dict | None:
+            if not isinstance(rec, dict) or not isinstance(rec.get("choice"), str):
+                return None
+            return rec if isinstance(rec.get("candidates"), list) else None
+
+        kept, ours = read_json_cache(path, well_formed)
+        if kept is not None and kept["choice"] in ("none", *candidates) and kept["candidates"] == list(candidates):
+            return kept["choice"]
         res = time_orders(graph, ws, ("none", *candidates), backend, reps, cache_dir)
         choice = "none"
         if candidates:
@@ -165,7 +168,8 @@ def choose_order(
                 choice = best
         rec = {"choice": choice, "candidates": list(candidates), "widths": list(ws), "backend": backend, "times": res}
         try:
-            atomic_write(path, lambda tmp: tmp.write_text(json.dumps(rec, indent=1) + "\n"))
+            if ours:
+                atomic_write(path, lambda tmp: tmp.write_text(json.dumps(rec, indent=1) + "\n"))
         except OSError as e:
             warnings.warn(f"could not cache vertex order choice at {path}: {e}", RuntimeWarning, stacklevel=3)
         return choice

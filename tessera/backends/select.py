@@ -12,6 +12,7 @@ applied after the summing kernel.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import threading
 import time
@@ -26,7 +27,7 @@ import torch
 from tessera import workspace
 from tessera.backends.base import available_backends, get_backend
 from tessera.errors import ConfigError
-from tessera.files import atomic_write, default_cache_dir
+from tessera.files import atomic_write, default_cache_dir, foreign, read_json_cache
 from tessera.graph.csr import CSRStructure
 from tessera.memo import PlanCache, tuning
 
@@ -97,22 +98,50 @@ def decision_key(
     )
 
 
+def _valid_entry(entry: Any) -> bool:
+    """Whether ``entry`` is a decision as :func:`record` writes it: a dict whose ``choice`` is a
+    name and whose ``seconds`` map names to finite non-negative numbers (other notes are free)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("choice"), str):
+        return False
+    seconds = entry.get("seconds")
+    return isinstance(seconds, dict) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
+        for t in seconds.values()
+    )
+
+
+def _decisions(data: Any) -> dict[str, Any] | None:
+    """``data`` when it is a kernels.json of decisions (a dict of valid entries), else None."""
+    if not isinstance(data, dict) or not all(_valid_entry(e) for e in data.values()):
+        return None
+    return data
+
+
 def _read_disk() -> dict[str, Any]:
+    """The decisions in :func:`cache_file`: a file that is not JSON, or JSON of another shape (a
+    list, entries of the wrong types), is said once and rewritten empty; something other than a
+    regular file there (a named pipe, a directory) is never opened (:func:`tessera.files.read_json_cache`)."""
+    path = cache_file()
+    data, writable = read_json_cache(path, _decisions)
+    if data is None and writable and path.exists():
+        _store({})
+    return data if data is not None else {}
+
+
+def _store(data: dict[str, Any]) -> None:
+    if foreign(cache_file()):  # not ours: left alone (said when it was read)
+        return
     try:
-        data = json.loads(cache_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+        atomic_write(cache_file(), lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
+    except OSError as e:  # a read-only home must not stop training
+        warnings.warn(f"could not store the kernel choice in {cache_file()}: {e}", RuntimeWarning, stacklevel=4)
 
 
 def _write_disk(key: str, entry: dict[str, Any]) -> None:
     with _lock:
         data = _read_disk()
         data[key] = entry
-        try:
-            atomic_write(cache_file(), lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
-        except OSError as e:  # a read-only home must not stop training
-            warnings.warn(f"could not store the kernel choice in {cache_file()}: {e}", RuntimeWarning, stacklevel=3)
+        _store(data)
 
 
 def candidates(x: torch.Tensor) -> list[str]:

@@ -30,7 +30,6 @@ kept beside the first. Figures: ``docs/design/gemm-library-path.md``.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import threading
@@ -43,7 +42,7 @@ from typing import Any, Literal, TypeVar, cast
 import torch
 
 from tessera import workspace
-from tessera.files import default_cache_dir, write_json
+from tessera.files import default_cache_dir, read_json_cache, write_json
 from tessera.memo import tuning
 
 GemmPath = Literal["mkl", "onednn_kept", "onednn"]
@@ -246,18 +245,17 @@ def _decide_chunks(key: str) -> ChunkLibrary:
 
 def _kept_on_disk(key: str, allowed: tuple[_Choice, ...], decide: Callable[[], _Choice]) -> _Choice:
     """The decision kept on disk under ``key``, else ``decide()``'s, written there."""
-    try:
-        disk = json.loads(cache_file().read_text())
-    except (OSError, ValueError):
-        disk = {}
-    disk = disk if isinstance(disk, dict) else {}
+    path = cache_file()
+    got, ours = read_json_cache(path, lambda obj: obj if isinstance(obj, dict) else None)
+    disk = got or {}
     if disk.get(key) in allowed:
         return disk[key]
     choice = decide()
-    try:
-        write_json(cache_file(), {**disk, key: choice})
-    except OSError:
-        pass  # a read-only cache: decide again next time
+    if ours:
+        try:
+            write_json(path, {**disk, key: choice})
+        except OSError:
+            pass  # a read-only cache: decide again next time
     return choice
 
 

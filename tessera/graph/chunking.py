@@ -262,30 +262,30 @@ def locality_chunking(graph, chunk_rows: int | None = None, transposed: bool = F
     rows = chunk_rows or chunk_rows_for_cache()
     use_disk = disk_cache if disk_cache is not None else os.environ.get("TESSERA_CHUNK_CACHE") != "0"
     fingerprint = graph.fingerprint() if use_disk else None
-    path = None
-    if fingerprint is not None:
-        from tessera.files import default_cache_dir
+    n = graph.num_cols if transposed else graph.num_rows
 
-        path = default_cache_dir() / "chunks" / f"{fingerprint}-{rows}-{int(transposed)}.npz"
-        if path.exists():
-            try:
-                with np.load(path) as z:
-                    stored = Chunking(z["order"], z["chunk_ptr"])
-                # the kernels index with these unchecked: a stale or damaged file is recomputed
-                if _is_chunking_of(stored, graph.num_cols if transposed else graph.num_rows):
-                    return stored
-            except (OSError, ValueError, KeyError, EOFError):
-                pass
-    ch = locality_chunks(*_csr_arrays(graph, transposed), rows)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-            np.savez(tmp, order=ch.order, chunk_ptr=ch.chunk_ptr)
-            os.replace(tmp, path)
-        except OSError:
-            pass
-    return ch
+    def make() -> Chunking:
+        return locality_chunks(*_csr_arrays(graph, transposed), rows)
+
+    if fingerprint is None:
+        return make()
+    from tessera.files import atomic_write, default_cache_dir, kept
+
+    path = default_cache_dir() / "chunks" / f"{fingerprint}-{rows}-{int(transposed)}.npz"
+
+    def load() -> Chunking:
+        with np.load(path, allow_pickle=False) as z:
+            return Chunking(z["order"], z["chunk_ptr"])
+
+    def write(ch: Chunking) -> None:
+        def to(tmp: Path) -> None:
+            with open(tmp, "wb") as f:  # a file object, so numpy does not append ".npz"
+                np.savez(f, order=ch.order, chunk_ptr=ch.chunk_ptr)
+
+        atomic_write(path, to)
+
+    # the kernels index with these unchecked: a stale or damaged file is recomputed
+    return kept(path, [path], load, lambda ch: _is_chunking_of(ch, n), make, write, "chunking")
 
 
 # ------------------------------------------------------------------------------ column compression

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 
 from tessera.digest import digest
 from tessera.errors import ConfigError
-from tessera.files import save_npy
+from tessera.files import kept, save_npy
 from tessera.graph.graph import Graph
 from tessera.graph.kept import KEEP_EDGES, csr_fits, kept_arrays
 from tessera.graph.partition.metis import metis_graph, part_graph
@@ -163,19 +162,17 @@ def vertex_order(
         if method in ("none", "degree") or n == 0:  # cheap: not worth a file
             return _compute(graph, method, parts)
         path = _order_path(graph, method, parts, cache_dir)
-        if path.is_file():
-            try:
-                arr = np.load(path, allow_pickle=False)
-                if is_permutation(arr, n):
-                    return arr.astype(np.int64, copy=False)
-            except (OSError, ValueError, EOFError):
-                pass
-        perm = _compute(graph, method, parts)
-        try:
-            save_npy(path, perm)
-        except OSError as e:
-            warnings.warn(f"could not cache vertex order at {path}: {e}", RuntimeWarning, stacklevel=3)
-        return perm
+
+        perm = kept(
+            path,
+            [path],
+            lambda: np.load(path, allow_pickle=False),
+            lambda perm: is_permutation(perm, n),
+            lambda: _compute(graph, method, parts),
+            lambda perm: save_npy(path, perm),
+            "vertex order",
+        )
+        return perm.astype(np.int64, copy=False)
 
     return _orders.get(graph, (method, parts), make)
 

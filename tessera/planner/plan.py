@@ -30,7 +30,7 @@ import torch
 
 from tessera.backends import select
 from tessera.comm.group import Comm
-from tessera.files import atomic_write, default_cache_dir
+from tessera.files import atomic_write, default_cache_dir, foreign, read_json_cache
 from tessera.graph import Graph
 from tessera.parallel.base import StrategyOptions, row_split
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_entry
@@ -205,24 +205,43 @@ def cache_path(key: dict) -> Path:
     return default_cache_dir() / "plans" / f"plan-{digest}.json"
 
 
+def _plan_record(key: dict) -> Callable[[Any], dict | None]:
+    """What :func:`_read_cached` accepts of a parsed plan file: a plan record of ``key`` whose
+    every field has its type and whose choices name strategies (None for anything else)."""
+
+    def check(rec: Any) -> dict | None:
+        if not isinstance(rec, dict) or rec.get("key") != key or not isinstance(rec.get("layers"), list):
+            return None
+        try:
+            plan = Plan.from_dict(rec)
+            choices = plan_choices(plan)
+        except Exception:  # any malformed field: the plan is made again
+            return None
+        world = key.get("world")
+        if (
+            plan.world != world
+            or any(not isinstance(c, str) for c in plan.choices)
+            or len(choices) != len(plan.layers or ())
+        ):
+            return None
+        return rec
+
+    return check
+
+
 def _read_cached(key: dict) -> dict | None:
-    """The cached plan record of ``key`` as JSON (None: none, or not a plan of ``key``)."""
-    try:
-        rec = json.loads(cache_path(key).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(rec, dict) or rec.get("key") != key or not isinstance(rec.get("layers"), list):
-        return None
-    try:
-        Plan.from_dict(rec)
-    except (KeyError, TypeError, ValueError):
-        return None
+    """The cached plan record of ``key`` as JSON (None: none, not a plan of ``key``, or not a
+    regular file: a damaged or wrong-shaped file is said once and planned again; a named pipe or a
+    directory in its place is never opened)."""
+    rec, _ = read_json_cache(cache_path(key), _plan_record(key))
     return rec
 
 
 def _write_cached(rec: Plan) -> None:
     assert rec.key is not None
     path = cache_path(rec.key)
+    if foreign(path):  # not ours: left alone (said when it was read)
+        return
     text = json.dumps(rec.to_dict(), indent=1) + "\n"
     try:
         atomic_write(path, lambda tmp: tmp.write_text(text))

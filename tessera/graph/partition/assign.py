@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tessera.errors import ConfigError, DatasetError
-from tessera.files import atomic_write, default_cache_dir, save_npy
+from tessera.files import atomic_write, default_cache_dir, kept, save_npy
 from tessera.graph.csr import rows_of
 from tessera.graph.graph import Graph
 from tessera.graph.partition.halo import row_edges
@@ -115,11 +115,8 @@ def cache_key(graph: Graph, parts: int, method: str, seed: int) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _load_cached(path: Path, n: int, parts: int) -> np.ndarray | None:
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        return None
+def _load_cached(arr: object, n: int, parts: int) -> np.ndarray | None:
+    """``arr`` as a partition of ``n`` vertices into ``parts`` parts, or None if it is not one."""
     if not isinstance(arr, np.ndarray) or arr.shape != (n,) or arr.dtype.kind not in "iu":
         return None
     if n and (int(arr.min()) < 0 or int(arr.max()) >= parts):
@@ -141,16 +138,17 @@ def partition(
         return np.zeros(graph.num_nodes, dtype=np.int64)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = root / "partitions" / f"{cache_key(graph, parts, method, seed)}.npy"
-    if path.is_file():
-        cached = _load_cached(path, graph.num_nodes, parts)
-        if cached is not None:
-            return cached
-    out = _compute(graph, parts, method, seed)
-    try:
-        save_npy(path, out)
-    except OSError as e:
-        warnings.warn(f"could not cache partition at {path}: {e}", RuntimeWarning, stacklevel=2)
-    return out
+    n = graph.num_nodes
+    out = kept(
+        path,
+        [path],
+        lambda: np.load(path, allow_pickle=False),
+        lambda arr: _load_cached(arr, n, parts) is not None,
+        lambda: _compute(graph, parts, method, seed),
+        lambda arr: save_npy(path, arr),
+        "partition",
+    )
+    return out.astype(np.int64, copy=False)
 
 
 # ---------------------------------------------------------------------------------------- statistics
