@@ -12,7 +12,10 @@ its accuracies with, and :func:`best_weights` returns)."""
 
 from __future__ import annotations
 
+import io
 import math
+import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -26,6 +29,7 @@ from tessera.nn.models import GNN
 from tessera.parallel.hybrid import check_groups
 from tessera.parallel.mixed import parse_entry
 from tessera.train.optim import Adam
+from tessera.train.rundir import write_error
 
 FORMAT = 1
 # Every top-level field Trainer.state writes, and its type.
@@ -53,20 +57,50 @@ _SETTING = (type(None), bool, int, float, str)  # what a config value can be
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Write a checkpoint (tensors, numbers, strings, lists and dicts only) atomically."""
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    """Write a checkpoint (tensors, numbers, strings, lists and dicts only) atomically; a failed
+    write (a full disk) is one :class:`TesseraError` naming the path, and the previous checkpoint
+    stays whole."""
+
+    def write(tmp: Path) -> None:
+        try:
+            torch.save(state, tmp)
+        except RuntimeError:
+            # torch's zip writer reports a failed write only as "unexpected pos": the same bytes
+            # written through Python's I/O either succeed or raise the OSError (ENOSPC) that says why
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            with open(tmp, "wb") as f:
+                f.write(buf.getbuffer())
+
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        raise write_error(path, e, "checkpoint") from None
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``: no arbitrary code runs while loading."""
+    """Read a checkpoint with ``weights_only=True``: no arbitrary code runs while loading. Only a
+    regular file is read: a named pipe, device or directory is refused without being waited on."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise
-    except Exception as e:  # torch raises several types for corrupt or foreign files
+    except OSError as e:
         raise TesseraError(
-            f"checkpoint {path} is unreadable ({type(e).__name__}); delete it or drop --resume"
+            f"checkpoint {path} cannot be read ({e.strerror or e}); delete it or drop --resume"
         ) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode) else "a special file"
+        raise TesseraError(f"checkpoint {path} is {what}, not a regular file; remove it or drop --resume")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for corrupt or foreign files
+            raise TesseraError(
+                f"checkpoint {path} is unreadable ({type(e).__name__}); delete it or drop --resume"
+            ) from None
 
 
 def best_weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:

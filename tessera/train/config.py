@@ -207,6 +207,40 @@ def check_aggregate_on(cfg: TrainConfig) -> None:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+#: The settings ``--resume`` may change, each with why: they do not change the numbers the run
+#: trains (or, for ``epochs``, only extend them). Every other setting changes them and must match
+#: the checkpoint's (:data:`NUMBER_SETTINGS`); a setting added later is compared unless listed here.
+RESUME_EXEMPT: dict[str, str] = {
+    "epochs": "more epochs extend the run (the epochs before are the same)",
+    "dataset": "the graph itself is compared, by its fingerprint",
+    "name": "the graph itself is compared, by its fingerprint",
+    "out": "where the run is written",
+    "resume": "what this command does with the run directory",
+    "overwrite": "what this command does with the run directory",
+    "progress": "display only",
+    "plot": "display only",
+    "tensorboard": "display only",
+    "threads": "speed only",
+    "timeout": "how long ranks wait for each other",
+    "checkpoint_every": "how often the state is saved: a resumed run equals an uninterrupted one",
+    "nprocs": "--nprocs N trains the same model as one process (dropout keyed by global vertex ids)",
+    "strategy": "how ranks split the work; the same model",
+    "remote_agg": "how ranks split the work; the same model",
+    "partition": "how ranks split the work; the same model",
+    "parts_dir": "how ranks split the work; the same model",
+    "pipeline_stages": "how ranks split the work; the same model (bit-identical stages)",
+    "groups": "how ranks split the work; the same model",
+    "reorder": "the vertex order in memory; draws are keyed by original ids, outputs in the original order",
+    "backend": "which kernel computes the same aggregation",
+    "device": "where the same computation runs",
+    "aggregate_on": "where the same aggregation runs (MixGCN's mixture trains the same model)",
+    "mixture_stages": "how the mixture pipelines the same work (the same bits for any stage count)",
+    "s_spmm": "skips only outputs that dropout or ReLU zero anyway: the same values",
+    "rgcn_variant": "the same relational sum computed in another order",
+}
+#: the settings that change the numbers a run trains: a resumed run must have the checkpoint's
+NUMBER_SETTINGS = tuple(k for k in FIELDS if k not in RESUME_EXEMPT)
 # Integer settings: (lowest, highest, why the bound). The caps keep a typo from asking for absurd
 # memory or processes before anything checks it.
 INT_RANGES: dict[str, tuple[int, int, str]] = {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import hashlib
+import io
 import json
 import logging
 import math
@@ -16,7 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +44,22 @@ from tessera.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from tessera.train.config import FIELDS, TrainConfig, read_toml
+from tessera.train.config import FIELDS, NUMBER_SETTINGS, TrainConfig, read_toml
 from tessera.train.evaluate import mean_rocauc
 from tessera.train.mixture import placed_model
 from tessera.train.optim import Adam
 from tessera.train.progress import progress
+from tessera.train.rundir import (
+    LOCK,
+    Appender,
+    RunLock,
+    acquire,
+    busy_error,
+    check_run_path,
+    expand_out,
+    owner_of,
+    writing,
+)
 from tessera.train.setup import prepare
 
 log = logging.getLogger(__name__)
@@ -98,8 +111,19 @@ _RESUME_KEYS = (
     "feature_norm",
     "patience",
 )
-# Settings added since checkpoints were first written: one without them had the defaults
-_RESUME_KEYS_SINCE = ("num_bases", "num_blocks")
+
+
+def resume_changes(recorded: dict[str, Any], cfg: TrainConfig) -> tuple[str, ...]:
+    """The settings that change a run's numbers in which ``cfg`` differs from a checkpoint's
+    ``recorded`` config, each as ``name=recorded (this run value)``. A setting the checkpoint lacks
+    (written before it existed) had its default, except ``split``, which old checkpoints never
+    recorded whatever it was."""
+    defaults, mine = TrainConfig().to_dict(), cfg.to_dict()
+    return tuple(
+        f"{k.replace('_', '-')}={recorded.get(k, defaults[k])!r} (this run {mine[k]!r})"
+        for k in NUMBER_SETTINGS
+        if (k in recorded or k != "split") and recorded.get(k, defaults[k]) != mine[k]
+    )
 
 
 def peak_rss_mb() -> float:
@@ -112,10 +136,55 @@ def _json_line(rec: dict[str, Any]) -> str:
     return json.dumps(rec, allow_nan=False) + "\n"
 
 
+#: how a setting that changes a run's numbers is written in a default run directory's name
+_NAME_LABELS = {
+    "split": "split-",
+    "hidden": "h",
+    "layers": "l",
+    "dropout": "do",
+    "heads": "heads",
+    "lr": "lr",
+    "weight_decay": "wd",
+    "patience": "pat",
+    "feature_norm": "fn-",
+    "comm_bits": "bits",
+    "norm": "norm-",
+    "label_prop": "lp",
+    "num_bases": "bases",
+    "num_blocks": "blocks",
+    "precision": "",
+}
+#: a default name's settings part longer than this becomes a digest of the settings
+_NAME_SETTINGS_MAX = 48
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
+
+
+def _shown_value(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def default_out_dir(cfg: TrainConfig) -> Path:
-    """``runs/<model>-<dataset>-s<seed>`` when ``--out`` is not given."""
-    ds = "".join(c if c.isalnum() or c in "-_." else "-" for c in cfg.dataset.split("/")[-1] or "data")
-    return Path("runs") / f"{cfg.model}-{ds}-s{cfg.seed}"
+    """``runs/<model>-<dataset>-s<seed>`` when ``--out`` is not given, followed by every other
+    setting that changes the run's numbers and is not at its default (``-h16-lr0.005``; a digest
+    of them, ``-x<10 hex digits>``, where they would make a long name), so runs that would train
+    different numbers never share a default directory. ``epochs`` is left out: ``--resume
+    --epochs`` extends the run in its own directory."""
+    ds = _safe(cfg.dataset.split("/")[-1] or "data")
+    defaults, mine = TrainConfig().to_dict(), cfg.to_dict()
+    parts = [f"{_safe(cfg.name)}" if cfg.name else ""]
+    for k in NUMBER_SETTINGS:
+        if k in ("model", "seed") or mine[k] == defaults[k]:
+            continue
+        parts.append(_safe(f"{_NAME_LABELS.get(k, k.replace('_', '-') + '-')}{_shown_value(mine[k])}"))
+    settings = "-".join(p for p in parts if p)
+    if len(settings) > _NAME_SETTINGS_MAX:
+        numbers = json.dumps({k: mine[k] for k in ("name", *NUMBER_SETTINGS)}, sort_keys=True)
+        settings = "x" + hashlib.sha256(numbers.encode()).hexdigest()[:10]
+    name = f"{cfg.model}-{ds[:150]}-s{cfg.seed}" + (f"-{settings}" if settings else "")
+    return Path("runs") / name
 
 
 class RunDir(NamedTuple):
@@ -164,13 +233,27 @@ def _listed(diff: tuple[str, ...]) -> str:
     return ", ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "")
 
 
-def run_dir(cfg: TrainConfig) -> RunDir:
+def run_dir(cfg: TrainConfig, owner_check: bool = True) -> RunDir:
     """The run directory of ``cfg``, never one holding a run with other settings unless asked:
-    ``--out`` (or, with ``--resume`` or ``--overwrite``, the default directory) as given, a
-    :class:`ConfigError` if it holds a run with other settings and neither flag is given; without
-    ``--out``, the first of ``runs/<model>-<dataset>-s<seed>``, ``...-2``, ``...-3``, ... that is
-    empty or holds a run with the same settings."""
-    base = Path(cfg.out) if cfg.out else default_out_dir(cfg)
+    ``--out`` (``~`` expanded; or, with ``--resume`` or ``--overwrite``, the default directory)
+    as given, a :class:`ConfigError` if it holds a run with other settings and neither flag is
+    given; without ``--out``, the first of :func:`default_out_dir`, ``...-2``, ``...-3``, ...
+    that is empty or holds a run with the same settings. Refused in one line before anything is
+    read or written: a path no directory can have (:func:`~tessera.train.rundir.expand_out`,
+    :func:`~tessera.train.rundir.check_run_path`) and, with ``owner_check`` (on rank 0), a
+    directory another live run holds."""
+    where = _chosen_run_dir(cfg)
+    check_run_path(where.path, (*RUN_FILES, LOCK), "--out" if cfg.out else "run directory")
+    if owner_check and int(os.environ.get("RANK", "0")) == 0 and (owner := owner_of(where.path)) is not None:
+        raise busy_error(where.path, owner)
+    return where
+
+
+def _chosen_run_dir(cfg: TrainConfig) -> RunDir:
+    base = expand_out(cfg.out) if cfg.out else default_out_dir(cfg)
+    # before its files are read: a FIFO is never opened, a directory never taken for a file
+    given = cfg.out or cfg.resume or cfg.overwrite
+    check_run_path(base, (*RUN_FILES, LOCK) if given else (), "--out" if cfg.out else "run directory")
     if cfg.resume:  # the checkpoint's own settings are checked when it is read
         return RunDir(base)
     if cfg.out or cfg.overwrite:
@@ -228,11 +311,13 @@ class _MetricsFiles:
 
     def __init__(self, out: Path, history: list[dict[str, Any]], tensorboard: str | None, metric: str = "acc") -> None:
         self.columns = csv_columns(metric)
-        atomic_write(out / METRICS, lambda tmp: tmp.write_text("".join(map(_json_line, history))))
-        atomic_write(out / METRICS_CSV, lambda tmp: self._write_csv(tmp, history))
-        self.jsonl: TextIO = open(out / METRICS, "a")
-        self.csv_file: TextIO = open(out / METRICS_CSV, "a", newline="")
-        self.csv = csv.writer(self.csv_file)
+        with writing(out / METRICS, "metrics file"):
+            atomic_write(out / METRICS, lambda tmp: tmp.write_text("".join(map(_json_line, history))))
+        with writing(out / METRICS_CSV, "metrics file"):
+            atomic_write(out / METRICS_CSV, lambda tmp: self._write_csv(tmp, history))
+        # each epoch's record is appended whole or not at all (a full disk leaves no half line)
+        self.jsonl = Appender(out / METRICS, "metrics file")
+        self.csv_file = Appender(out / METRICS_CSV, "metrics file")
         self.tb: Any = None
         if tensorboard:
             writer = tensorboard_writer_class()
@@ -253,9 +338,9 @@ class _MetricsFiles:
     def write(self, rec: dict[str, Any]) -> None:
         """Append one epoch's record to every file and flush it."""
         self.jsonl.write(_json_line(rec))
-        self.jsonl.flush()
-        self.csv.writerow([rec[k] for k in self.columns])
-        self.csv_file.flush()
+        row = io.StringIO()
+        csv.writer(row).writerow([rec[k] for k in self.columns])
+        self.csv_file.write(row.getvalue())
         if self.tb is not None:
             for key in self.columns[1:]:
                 split, _, what = key.rpartition("_")  # train_loss -> loss/train
@@ -317,9 +402,13 @@ class Trainer:
         if self.comm.world > 1 and self.comm.device.type == "cpu":  # the path is the CPU products'
             _agree_gemm_path(self.comm)
         torch.manual_seed(cfg.seed)
-        self.where = run_dir(cfg) if files else RunDir(Path(cfg.out or "."))
+        self.where = run_dir(cfg, owner_check=False) if files else RunDir(Path(cfg.out or "."))
         self.out = self.where.path
         self.writes = files and self.is_main  # only rank 0 writes
+        self._lock: RunLock | None = None
+        # a directory another live run holds is refused here, before the set-up's work, on every rank
+        owner = owner_of(self.out) if self.writes else None
+        self._on_every_rank(None if owner is None else busy_error(self.out, owner))
         if self.writes:
             announce_run_dir(self.where)
         if cfg.tensorboard:
@@ -365,6 +454,33 @@ class Trainer:
         self.bad_epochs = 0
         self.history: list[dict[str, Any]] = []
         self._require_validation()  # at set-up: before anything is written or announced
+
+    def _on_every_rank(self, problem: TesseraError | None) -> None:
+        """Raise ``problem``, found by rank 0 (which alone writes the run directory), on every rank
+        of a run that writes files, so that no rank goes on to wait for a peer that stopped."""
+        if self.files and self.comm.world > 1:
+            flag = torch.tensor([int(problem is not None)], dtype=torch.int64)  # on the host: the group copies it
+            if int(self.comm.broadcast(flag)[0]) and problem is None:
+                problem = ConfigError(f"rank 0 refused the run directory {self.out}; its error line says why")
+        if problem is not None:
+            raise problem
+
+    def _take_run_dir(self) -> None:
+        """Rank 0 creates the run directory and takes its lock, held until :meth:`fit` ends; a
+        run that took it first is named, and every rank stops before training."""
+        problem = None
+        if self.writes:
+            try:
+                self._lock = acquire(self.out)
+            except TesseraError as e:
+                problem = e
+        self._on_every_rank(problem)
+
+    def _give_back_run_dir(self, failed: bool) -> None:
+        """Release the lock (a failed run also removes the directories it created, if still empty)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release(remove_created=failed)
 
     def kernels(self) -> AbstractContextManager[None]:
         """The run's kernels for the block: with ``--backend torch`` every kernel of the step is the
@@ -507,20 +623,14 @@ class Trainer:
         return ckpt
 
     def _check_settings(self, ckpt: dict[str, Any]) -> None:
-        """Raise :class:`ConfigError` unless ``ckpt`` was written with this run's settings."""
-        old = ckpt["config"]
-        defaults = TrainConfig()
-        for k in (*_RESUME_KEYS, *_RESUME_KEYS_SINCE):
-            if old.get(k, getattr(defaults, k)) != getattr(self.cfg, k):
-                raise ConfigError(
-                    f"checkpoint in {self.out} has {k}={old.get(k)!r} but this run has {getattr(self.cfg, k)!r}; "
-                    "use the same settings or another --out"
-                )
-        # The split selects the training vertices, but checkpoints written before --split existed lack it.
-        if "split" in old and old["split"] != self.cfg.split:
+        """Raise :class:`ConfigError` unless ``ckpt`` was written with this run's settings: every
+        one that changes the numbers trained (:data:`~tessera.train.config.NUMBER_SETTINGS`; those
+        :data:`~tessera.train.config.RESUME_EXEMPT` lists may change), all that differ named."""
+        changed = resume_changes(ckpt["config"], self.cfg)
+        if changed:
             raise ConfigError(
-                f"checkpoint in {self.out} has split={old['split']!r} but this run has {self.cfg.split!r}; "
-                "use the same --split or another --out"
+                f"checkpoint in {self.out} was trained with other settings: {', '.join(changed)}; "
+                "resume with the checkpoint's settings, or train them afresh with another --out"
             )
 
     def load_state(self, ckpt: dict[str, Any]) -> None:
@@ -582,14 +692,23 @@ class Trainer:
             log.info("--overwrite: replacing the run in %s (%s)", self.out, _listed(self.where.replaces))
             for name in RUN_FILES:
                 (self.out / name).unlink(missing_ok=True)
-        atomic_write(self.out / CONFIG, lambda tmp: tmp.write_text(self.cfg.to_toml()))
+        with writing(self.out / CONFIG, "settings file"):
+            atomic_write(self.out / CONFIG, lambda tmp: tmp.write_text(self.cfg.to_toml()))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
         """Train until ``epochs`` or early stopping, restore the best-validation weights, test."""
+        self._take_run_dir()
+        try:
+            result = self._fit()
+        except BaseException:
+            self._give_back_run_dir(failed=True)
+            raise
+        self._give_back_run_dir(failed=False)
+        return result
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
-        if self.writes:
-            self.out.mkdir(parents=True, exist_ok=True)
         if self._resume is not None:
             ckpt, self._resume = self._resume, None
             self.load_state(ckpt)
@@ -712,11 +831,13 @@ class Trainer:
             result["plan"] = self.plan.to_dict()
         if not self.writes:
             return result
-        write_json(self.out / RESULT, result)
+        with writing(self.out / RESULT, "result file"):
+            write_json(self.out / RESULT, result)
         if self.cfg.plot:
             from tessera.train.plot import plot_curves
 
-            plot_curves(self.history, self.out / PLOT, title=f"{self.cfg.model} on {self.info[0]}")
+            with writing(self.out / PLOT, "plot"):
+                plot_curves(self.history, self.out / PLOT, title=f"{self.cfg.model} on {self.info[0]}")
         return result
 
 

@@ -31,19 +31,25 @@ def _hidden(d: Path) -> int:
 
 def test_other_settings_take_a_suffixed_default_directory_and_say_so(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    base = Path("runs") / "gcn-synthetic-tiny-s0"
+    # settings that change the numbers name their own directory; the others (here --epochs, not in
+    # the name so that --resume --epochs extends a run in place) take -2, -3, ...
+    base = Path("runs") / "gcn-synthetic-tiny-s0-h8"
     assert _train(capsys, "--hidden", "8")[0] == 0
-    code, out, err = _train(capsys, "--hidden", "16")
+    code, out, err = _train(capsys, "--hidden", "8", "--epochs", "3")
     assert code == 0
     assert err == [f"tessera: {base} holds a run with other settings; this run writes {base}-2"]
     assert out[-1].endswith(f" | {base}-2")  # the summary line names the run directory
-    assert (_hidden(base), _hidden(Path(f"{base}-2"))) == (8, 16)  # both runs kept
+    epochs = [json.loads((d / "result.json").read_text())["epochs_run"] for d in (base, Path(f"{base}-2"))]
+    assert epochs == [2, 3]  # both runs kept
     # the same settings again reuse their own directory; a third set takes -3
-    code, out, err = _train(capsys, "--hidden", "16")
+    code, out, err = _train(capsys, "--hidden", "8", "--epochs", "3")
     assert code == 0 and len(err) == 1 and out[-1].endswith(f" | {base}-2")
     assert _train(capsys, "--hidden", "8")[2] == []
-    assert _train(capsys, "--hidden", "4")[1][-1].endswith(f" | {base}-3")
-    assert sorted(p.name for p in Path("runs").iterdir()) == [base.name, f"{base.name}-2", f"{base.name}-3"]
+    assert _train(capsys, "--hidden", "8", "--epochs", "1")[1][-1].endswith(f" | {base}-3")
+    assert _train(capsys, "--hidden", "16")[1][-1].endswith(" | runs/gcn-synthetic-tiny-s0-h16")
+    assert sorted(p.name for p in Path("runs").iterdir()) == sorted(
+        [base.name, f"{base.name}-2", f"{base.name}-3", "gcn-synthetic-tiny-s0-h16"]
+    )
 
 
 def test_an_out_holding_other_settings_is_refused_unless_resumed_or_overwritten(tmp_path, capsys):
