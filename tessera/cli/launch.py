@@ -5,10 +5,17 @@ line naming the rank that failed first, so a dead worker never leaves the job ha
 blocked in a collective on a dead peer would also raise after ``--timeout``.) Exit statuses: 0 when
 every rank succeeds, 2 for a user error (printed once), :data:`PEER_FAILED` when a worker died or
 lost a peer.
+
+SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to the workers as SIGTERM, which stops
+each as Ctrl-C does (its last complete checkpoint stays); the launcher waits for them, bounded,
+kills what is left and exits with 128 + the signal's number and one line giving the ``--resume``
+command. Each worker also gets SIGTERM from the kernel if the launcher dies, even by SIGKILL
+(``tessera.cli.watch``), so a stopped launcher never leaves workers training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
@@ -20,9 +27,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 
+from tessera.cli.watch import STOP_GRACE_S, STOP_SIGNALS, Stopped, no_stop_watchdog, signal_name
 from tessera.errors import DistributedError
 
 USER_ERROR = 2
@@ -30,6 +39,9 @@ USER_ERROR = 2
 #: launcher and of torchrun workers when a worker died or a collective broke: not the user's input.
 PEER_FAILED = 3
 _LOG_TAIL = 20  # lines of a failed non-zero rank's stderr shown above the error line
+#: seconds a stopped launcher waits for its workers to stop before killing them (each ends itself
+#: within STOP_GRACE_S of its SIGTERM, unwinding or not)
+STOP_WAIT_S = STOP_GRACE_S + 5.0
 
 
 def free_port() -> int:
@@ -67,6 +79,8 @@ def _describe(code: int) -> str:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
+    if code - 128 in STOP_SIGNALS:  # a worker stopped by a signal exits as Ctrl-C's 130 does
+        return f"was stopped by {signal_name(code - 128)}"
     return f"exited with status {code}"
 
 
@@ -97,14 +111,76 @@ def _watch(procs: Sequence[subprocess.Popen]) -> queue.Queue:
     return exits
 
 
-def _collect(exits: queue.Queue, nprocs: int, grace_s: float) -> list[tuple[int, int]] | None:
+class _StopRequest:
+    """The first stop signal the launcher received (``signum``), forwarded to its workers."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.signum: int | None = None
+        self.procs = procs
+        # the workers read this pipe's end: a byte before a forwarded signal says "the launcher
+        # reports this stop", end of file says the launcher is gone (tessera.cli.watch)
+        self.read_fd, self.write_fd = os.pipe()
+        self.told = False
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.forward()
+
+    def forward(self) -> None:
+        """SIGTERM to every worker not known to have exited (each stops as on Ctrl-C)."""
+        if self.signum is None:
+            return
+        if not self.told:
+            with contextlib.suppress(OSError):
+                os.write(self.write_fd, b"s" * 64)  # one for each worker to read, and more
+            self.told = True
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> None:
+        """Until every worker has exited (their watch threads reap them) or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.returncode is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _forwarding(stop: _StopRequest) -> Iterator[None]:
+    """While inside: stop signals are recorded and forwarded to the workers instead of raising
+    (a launcher outside the main thread, as in a library caller's thread, cannot catch them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    with no_stop_watchdog():
+        for s in STOP_SIGNALS:
+            signal.signal(s, stop.handler)
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _collect(
+    exits: queue.Queue, nprocs: int, grace_s: float, stop: _StopRequest | None = None
+) -> list[tuple[int, int]] | None:
     """Wait for the workers: ``None`` when all succeed, else the failed ranks' ``(rank, status)``
     in the order seen. After the first failure the others get ``grace_s`` to fail too, so the
     cause is told from its aftermath, but no longer than until a cause is seen and rank 0 (which
-    prints its own user error) has exited."""
+    prints its own user error) has exited. A stop signal ends the wait at once."""
     done: dict[int, int] = {}
     deadline = math.inf
     while len(done) < nprocs:
+        if stop is not None and stop.signum is not None:
+            break
         failed = [c for c in done.values() if c != 0]
         if failed:
             deadline = min(deadline, time.monotonic() + grace_s)
@@ -114,7 +190,7 @@ def _collect(exits: queue.Queue, nprocs: int, grace_s: float) -> list[tuple[int,
         if left <= 0:
             break
         try:
-            rank, code = exits.get(timeout=min(left, 0.5))  # bounded, so Ctrl-C reaches the launcher
+            rank, code = exits.get(timeout=min(left, 0.2))  # bounded, so a stop signal is seen soon
         except queue.Empty:
             continue
         done[rank] = code
@@ -134,7 +210,8 @@ def _error_line(text: str) -> str | None:
 def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
     """Run ``python -m tessera <argv>`` as ``nprocs`` ranks over gloo/NCCL on 127.0.0.1; returns 0
     when every rank succeeds or 2 after a user error printed once; raises
-    :class:`DistributedError` naming the rank that failed first when a worker died or broke."""
+    :class:`DistributedError` naming the rank that failed first when a worker died or broke, or
+    :class:`~tessera.cli.watch.Stopped` after a stop signal stopped the workers."""
     port = free_port()
     procs: list[subprocess.Popen] = []
     # Each worker gets its share of the cores unless the user chose (as torchrun does).
@@ -144,33 +221,72 @@ def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
     # launcher reads only to name a failure, so a shared error is printed once, not N times.
     worker_logs = [tempfile.TemporaryFile(mode="w+") for _ in range(1, nprocs)]
     logs = [None, *worker_logs]
-    try:
-        for rank in range(nprocs):
-            env = {
-                **os.environ,
-                **threads,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(nprocs),
-                "LOCAL_WORLD_SIZE": str(nprocs),
-                "TESSERA_LAUNCHER_PID": str(os.getpid()),
-            }
-            procs.append(subprocess.Popen([sys.executable, "-m", "tessera", *argv], env=env, stderr=logs[rank]))
-        failed = _collect(_watch(procs), nprocs, grace_s)
-    finally:
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-        texts = {r: _log_text(log) for r, log in enumerate(logs) if log is not None}
-        for log in worker_logs:
-            log.close()
+    # Rank 0's Python output stays on the terminal but what native code writes to its file
+    # descriptor 2 (gloo's abort after a peer died, C++ log lines) comes here, shown only if rank 0
+    # failed first, or after a successful run, so a failure is still one line.
+    native0 = tempfile.TemporaryFile(mode="w+")
+    stop = _StopRequest(procs)
+    failed = None
+    with _forwarding(stop):  # around the clean-up too: a late signal cannot cut it short
+        try:
+            _start(procs, stop, argv, nprocs, port, threads, logs, native0)
+            failed = _collect(_watch(procs), nprocs, grace_s, stop)
+            if stop.signum is not None:
+                stop.forward()  # again: a worker started as the signal came may have missed it
+                stop.wait(STOP_WAIT_S)
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+            texts = {r: _log_text(log) for r, log in enumerate(logs) if log is not None}
+            texts[0] = _log_text(native0)
+            for log in [*worker_logs, native0]:
+                log.close()
+            stop.close()
+    if stop.signum is not None and (len(procs) < nprocs or any(p.returncode != 0 for p in procs)):
+        raise Stopped(stop.signum)
     if failed is None:
+        if texts[0].strip():  # rank 0's native messages (warnings), which the terminal did not get
+            print(texts[0].rstrip("\n"), file=sys.stderr)
         return 0
     return _report(first_failure(failed), nprocs, procs[0].returncode, texts)
+
+
+def _start(
+    procs: list[subprocess.Popen],
+    stop: _StopRequest,
+    argv: Sequence[str],
+    nprocs: int,
+    port: int,
+    threads: dict[str, str],
+    logs: list,
+    native0,
+) -> None:
+    """Start the workers into ``procs``, none after a stop signal."""
+    for rank in range(nprocs):
+        if stop.signum is not None:
+            return
+        env = {
+            **os.environ,
+            **threads,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(nprocs),
+            "TESSERA_LAUNCHER_PID": str(os.getpid()),
+            "TESSERA_LAUNCHER_FD": str(stop.read_fd),
+        }
+        fds = [stop.read_fd]
+        if rank == 0:
+            env["TESSERA_NATIVE_STDERR_FD"] = str(native0.fileno())
+            fds.append(native0.fileno())
+        cmd = [sys.executable, "-m", "tessera", *argv]
+        procs.append(subprocess.Popen(cmd, env=env, stderr=logs[rank], pass_fds=fds))
+        stop.forward()  # a stop signal that came while this worker was starting
 
 
 def _report(blamed: tuple[int, int], nprocs: int, rank0_code: int | None, texts: dict[int, str]) -> int:
@@ -178,8 +294,10 @@ def _report(blamed: tuple[int, int], nprocs: int, rank0_code: int | None, texts:
     rank, code = blamed
     if rank0_code == USER_ERROR:  # rank 0 printed its own user error on the terminal
         return USER_ERROR
-    if code == USER_ERROR and (line := _error_line(texts.get(rank, ""))):
-        print(line, file=sys.stderr)  # another rank's user error, relayed once
+    if code in (USER_ERROR, -signal.SIGABRT) and (line := _error_line(texts.get(rank, ""))):
+        # another rank's user error, relayed once (a worker under the launcher prints only those;
+        # gloo can abort a rank in its teardown after it printed one)
+        print(line, file=sys.stderr)
         return USER_ERROR
     tail = texts.get(rank, "").strip().splitlines()[-_LOG_TAIL:]
     if tail and code != PEER_FAILED:  # a crash's traceback or gloo's last words, lost with the log else

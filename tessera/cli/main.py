@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from tessera.cli.launch import PEER_FAILED
-from tessera.errors import ConfigError, DistributedError, TesseraError
+from tessera.cli.watch import (
+    Stopped,
+    interrupt_status,
+    launcher_pid,
+    launcher_reports,
+    native_stderr_apart,
+    resume_command,
+    signal_name,
+    stop_signals,
+    watch_launcher,
+)
+from tessera.errors import ConfigError, DistributedError, TesseraError, os_error_line
+
+#: ``tessera train``'s arguments naming its run directory, once it is known: what ``--resume``
+#: adds to for the line a stopped run prints
+_resume_argv: list[str] | None = None
+_resume_out: str | None = None  # and that directory
 
 
 class _Parser(argparse.ArgumentParser):
@@ -230,6 +249,8 @@ def _cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         announce_run_dir(where)
     given_out, cfg.out = cfg.out, str(where.path)  # every rank and the Trainer write where this says
+    global _resume_argv, _resume_out
+    _resume_argv, _resume_out = (list(argv) if given_out else [*argv, "--out", cfg.out]), cfg.out
     if cfg.nprocs > 1 and env_world_size() <= 1:
         from tessera.cli.launch import launch
 
@@ -328,8 +349,65 @@ def _cmd_partition(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_peer_failure(e: OSError) -> bool:
+    """A connection that broke or timed out inside a distributed rank: a peer's failure, not the
+    user's input (a path error names its file)."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return distributed and e.filename is None and isinstance(e, (ConnectionError, TimeoutError))
+
+
+def _interrupted_line(e: KeyboardInterrupt) -> str | None:
+    """The one line a stopped command prints, or None in a worker whose launcher prints it."""
+    pid = launcher_pid()
+    if pid is not None:
+        if int(os.environ.get("RANK", "0")) != 0 or launcher_reports():
+            return None  # the launcher reports, or rank 0 does when the launcher is gone
+    signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal_name(signum)}"
+    if pid is not None:
+        how = f"stopped: its launcher (pid {pid}) is gone"
+    if _resume_argv is not None and _resume_out is not None:  # a train run whose directory is known
+        if (Path(_resume_out) / "checkpoint.pt").is_file():
+            return f"tessera: {how}; the last checkpoint is kept, continue with: {resume_command(_resume_argv)}"
+        return f"tessera: {how}; no checkpoint was written yet, start again with: {resume_command(_resume_argv)}"
+    return f"tessera: {how}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tessera`` console script; returns the exit status."""
+    """Entry point of the ``tessera`` console script; returns the exit status. SIGTERM and SIGHUP
+    stop a command as Ctrl-C does (exit status 128 + the signal's number, 130 for Ctrl-C)."""
+    watch_launcher()  # a worker of `tessera train --nprocs`: stop with the launcher, even a killed one
+    native_stderr_apart()  # and its rank 0 keeps native libraries' messages off the terminal
+    global _resume_argv, _resume_out
+    _resume_argv = _resume_out = None
+    with stop_signals():
+        try:
+            status = _main(argv)
+            if status != 0 and launcher_pid() is not None:
+                # a failed worker has said what it had to: leaving now spares gloo's teardown,
+                # which can abort a rank whose peer is gone, and the launcher reads this status
+                _exit_now(status)
+            return status
+        except KeyboardInterrupt as e:  # also one that came as another command clause was reporting
+            line = _interrupted_line(e)
+            if line:
+                print(line, file=sys.stderr)
+            if launcher_pid() is not None:  # a stopped worker: its files are complete; skip torch's slow exit
+                _exit_now(interrupt_status(e))
+            return interrupt_status(e)
+
+
+def _exit_now(status: int) -> None:
+    """End this worker process with ``status`` after flushing its output, without the interpreter's
+    teardown (every file it wrote is complete: writes are atomic)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     log_to_stderr()
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -374,9 +452,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TesseraError as e:
         print(f"tessera: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("tessera: interrupted", file=sys.stderr)
-        return 130
+    except OSError as e:
+        # the backstop for every command: a file or directory the OS refused (permissions, a full
+        # disk, a path through a file, a name too long, a link loop) is the user's to fix
+        if _is_peer_failure(e):
+            if not os.environ.get("TESSERA_LAUNCHER_PID"):
+                print(f"tessera: error: a connection to a peer failed ({e}); a peer died or timed out", file=sys.stderr)
+            return PEER_FAILED
+        print(f"tessera: error: {os_error_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

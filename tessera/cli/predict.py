@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, os_error_line
 
 SUFFIXES = (".npy", ".csv")
 
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             text = "vertex,class\n" + "".join(f"{v},{c}\n" for v, c in enumerate(classes.tolist()))
             atomic_write(out, lambda tmp: tmp.write_text(text))
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be written ({e.strerror or e}); name a writable file") from None
+        raise ConfigError(f"--out {os_error_line(e)}") from None
     if multilabel:
         print(
             f"wrote {out}: the 0/1 prediction of {classes.shape[1]} tasks for {len(classes):,} vertices "

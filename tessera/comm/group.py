@@ -6,16 +6,26 @@ CPU tensors uses gloo, and asking for a CUDA device the node lacks is refused wi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Callable
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, DistributedError
+
+#: exit status of a rank that could not join its job in time (the CLI's PEER_FAILED)
+_PEER_FAILED = 3
+#: seconds past ``--timeout`` after which a rank still joining ends itself: torch bounds connecting
+#: by the timeout, but a client connected to a port something else holds can wait for its answer forever
+_RENDEZVOUS_SLACK_S = 3.0
 
 
 @dataclass
@@ -144,10 +154,77 @@ def init_from_env(timeout_s: float, device: torch.device | str = "cpu") -> Comm:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            backend_for(device), rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout)
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        fix = (
+            "start every rank with the same MASTER_ADDR and MASTER_PORT, rank 0 on a port nothing else "
+            "uses, and all of them within --timeout"
         )
+        with _rendezvous_deadline(f"rank {rank} of {world}", where, timeout_s, fix):
+            try:
+                dist.init_process_group(
+                    backend_for(device), rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout)
+                )
+            except RuntimeError as e:  # torch's DistNetworkError, DistStoreError: no group to leave
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                raise DistributedError(
+                    f"rank {rank} of {world} could not join the job at {where} within --timeout {timeout_s:g} s "
+                    f"({first}); {fix}"
+                ) from None
     return Comm(rank, world, device)
+
+
+@contextlib.contextmanager
+def _rendezvous_deadline(who: str, where: str, timeout_s: float, fix: str) -> Iterator[None]:
+    """Joining a job, bounded: a rank still inside after ``timeout_s`` + a few seconds says so in
+    one line (unless tessera's launcher, which names it, started it) and ends with status 3.
+    torch's own messages about failed connection attempts (C++ log lines with stack traces on
+    stderr) are held back while joining and shown only if the rank joined after all."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(timeout_s + _RENDEZVOUS_SLACK_S):
+            return
+        if not os.environ.get("TESSERA_LAUNCHER_PID"):
+            line = (
+                f"tessera: error: {who} could not join the job at {where} within --timeout {timeout_s:g} s "
+                f"(no answer from the store there); {fix}\n"
+            )
+            os.write(real_stderr, line.encode())
+        os._exit(_PEER_FAILED)
+
+    with _stderr_held() as real_stderr:
+        threading.Thread(target=watch, daemon=True, name="tessera-rendezvous").start()
+        try:
+            yield
+        finally:
+            done.set()
+
+
+@contextlib.contextmanager
+def _stderr_held() -> Iterator[int]:
+    """File descriptor 2 goes to a temporary file while inside, and what was written there is
+    copied to the real stderr on leaving without an error (dropped after one: the error's line says
+    it); yields a descriptor of the real stderr."""
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        sys.stderr.flush()
+    real = os.dup(2)
+    held = tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+    ok = False
+    try:
+        yield real
+        ok = True
+    finally:
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            sys.stderr.flush()
+        os.dup2(real, 2)
+        os.close(real)
+        if ok:
+            held.seek(0)
+            text = held.read()
+            while text:
+                text = text[os.write(2, text) :]
+        held.close()
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:

@@ -45,6 +45,17 @@ def test_first_failure_names_the_cause_not_its_aftermath(seen, blamed):
     assert first_failure(seen) == blamed
 
 
+@pytest.mark.parametrize("code", [2, ABRT])
+def test_a_worker_user_error_is_relayed_as_its_one_line_even_if_gloo_aborted_it_after(code, capsys):
+    # rank 1 printed its one line (a bad part file, a path the OS refused) and exited 2, or was
+    # aborted by gloo in its teardown after printing it; rank 0 lost it as a peer
+    from tessera.cli.launch import _report
+
+    texts = {1: "tessera: error: /parts/part-1.npz: Is a directory (it is a directory; give a file's path)\n"}
+    assert _report((1, code), 2, PEER_FAILED, texts) == 2
+    assert capsys.readouterr().err.splitlines() == [texts[1].strip()]
+
+
 def _forked_launcher(argv, err_path):
     # main() as `python -m tessera` runs it, in a fork of this process, which has torch imported
     # already: a launcher costs no start-up. Its stderr (and rank 0's, which inherits it) goes to a file.
