@@ -50,8 +50,8 @@ _libc: list = []
 
 def chunk_rows(width: int, element_size: int, n: int, chunk_bytes: int) -> int:
     """Rows per chunk when walking ``n`` rows of ``width`` elements of ``element_size`` bytes in
-    chunks of about ``chunk_bytes`` (at least 64 rows, at most ``n``)."""
-    return min(n, max(64, chunk_bytes // (element_size * max(width, 1))))
+    chunks of about ``chunk_bytes`` (at least 64 rows, at most ``n``, and 1 when ``n`` is 0)."""
+    return max(1, min(n, max(64, chunk_bytes // (element_size * max(width, 1)))))
 
 
 def advise_huge(ptr: int, nbytes: int) -> None:

@@ -521,14 +521,30 @@ class Trainer:
             loss = cross_entropy_rows(logits, None, self.y[tr]) / max(n_loss, 1)
         loss.backward()
         if self.comm.world > 1:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            flat = self.comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]))
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            self._all_reduce_grads()
         self.opt.step()
         return float(self.comm.all_reduce_sum(loss.detach().clone()))
+
+    def _all_reduce_grads(self) -> None:
+        """Sum every parameter's gradient over the ranks. A rank whose rows leave a parameter
+        unused (an LSTM without in-edges here) has no gradient for it and adds zeros, so every
+        rank reduces the same tensor; a parameter no rank used keeps no gradient, as in one process."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        used = [p.grad is not None for p in params]
+        parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+        parts.append(torch.tensor(used, dtype=parts[0].dtype).to(self.device))
+        flat = self.comm.all_reduce_sum(torch.cat(parts))
+        # read back only where this rank lacks a gradient: a device run's steady step reads nothing
+        anywhere = flat[-len(params) :].tolist() if not all(used) else used
+        offset = 0
+        for p, count in zip(params, anywhere, strict=True):
+            if count > 0:
+                g = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            offset += p.numel()
 
     def evaluate(self) -> dict[str, float | None]:
         """Accuracy on each split (``train_acc``, ...; of multi-label targets the ROC-AUC averaged

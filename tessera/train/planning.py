@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import sys
+import logging
 from typing import Any
 
 import torch
@@ -16,6 +16,8 @@ from tessera.parallel.base import StrategyOptions
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_strategy
 from tessera.planner.plan import LayerProbe, Plan, plan_choices, plan_layers
 from tessera.train.config import TrainConfig
+
+log = logging.getLogger("tessera")
 
 
 def model_probe(model: GNN, cfg: TrainConfig) -> LayerProbe:
@@ -78,10 +80,7 @@ def layer_choices(
         rec = Plan(choices=tuple(resumed["choices"]), world=comm.world, source="checkpoint")
         return plan_choices(rec), rec, None
     if resumed is not None and comm.rank == 0:
-        print(
-            f"tessera: the checkpoint's plan is for {resumed['world']} ranks; planning the layers for {comm.world}",
-            file=sys.stderr,
-        )
+        log.info("the checkpoint's plan is for %d ranks; planning the layers for %d", resumed["world"], comm.world)
     with torch.random.fork_rng():  # planning draws nothing from the run's random stream
         rec, pool = plan_layers(comm, source, options, model_probe(model, cfg))
     return plan_choices(rec), rec, pool

@@ -82,7 +82,10 @@ class SAGELSTMConv(GraphConv):
         plan = self._plan(a, hints.rows if hints is not None else None, x.shape[0])
         w = self.lstm
         h = sparse.lstm_aggregate(plan, x_src, w.weight_ih_l0, w.weight_hh_l0, w.bias_ih_l0, w.bias_hh_l0)
-        return self.fc_self(x) + self.fc_neigh(h)
+        # The root term reads the owned rows through x_src (its first rows are x), so that a
+        # distributed operand's gather is part of the step's graph on a rank without in-edges too:
+        # its backward exchange must run on every rank.
+        return self.fc_self(x_src[: x.shape[0]]) + self.fc_neigh(h)
 
     def _plan(self, a, rows: torch.Tensor | None, n: int) -> sparse.SequencePlan:
         """The operand's neighbour sequences, ordered by global source id, made once per (edges, rows)."""
