@@ -17,26 +17,34 @@ Three ways compute the same value:
 - ``packed``: torch's fused LSTM over a packed sequence of the gathered source rows (``E x F``
   inputs, the input projection ``W_ih x_j`` computed once per edge).
 - ``hoisted``: WiseGraph's unique-value extraction: ``x W_ih^T + b`` once per source vertex (one
-  GEMM over ``N`` rows instead of ``E``), gathered per step; only ``h W_hh^T`` runs per step.
-  The recurrence is one autograd function with a hand-written backward: forward activates the
-  gathered ``(E, 4H)`` gate buffer in place (gates reordered i, f, o, g: one sigmoid and one
-  tanh per step) and keeps it with every step's ``c`` and incoming ``h`` (O(E x 6H) floats);
-  backward runs the steps in reverse, then takes ``W_hh``'s gradient as one GEMM over all
-  (row, step) pairs and the projections' gradient as one ``index_add`` over the edges. The
-  nonlinearities stay torch's vectorised ops; the rest of each step's cell update and its gate
-  gradients are single-pass numba kernels (:mod:`tessera.sparse.lstm_kernels`), which take less
-  CPU time per aggregation than the same arithmetic as ~20 torch ops a step.
+  GEMM over ``N`` rows instead of ``E``); only ``h W_hh^T`` runs per step. The recurrence is one
+  autograd function with a hand-written backward over an ``(E, 4H)`` gate buffer (gates reordered
+  i, f, o, g) kept with every step's ``c`` and incoming ``h`` (``6 E H`` floats).
 
-``auto`` is ``hoisted``: ``packed``'s CPU backward is oneDNN's RNN backward, several times slower
-than ``hoisted`` even written as per-step autograd ops. The steps run on one torch thread whatever
-the caller's count: most of them advance few rows, and with more threads each small op waits at an
-OpenMP barrier (for a descheduled thread, on a loaded machine). Denormals are flushed while the
-recurrence runs: gradients decaying along long sequences reach the denormal range, where they make
-the per-step GEMMs several times slower. Figures: ``docs/design/sage-lstm.md``.
+On the CPU (:class:`_HostRecurrence`) each step is one ``h W_hh^T`` GEMM written into the step's
+slots of the gate buffer and one fused numba kernel that adds the sources' projections (gathered
+there, not in a separate ``(E, 4H)`` pass), applies the nonlinearities and writes ``c`` and ``h``
+(:mod:`tessera.sparse.lstm_kernels`: tanh as a rational function evaluated in float64, which LLVM
+vectorises; torch's float32 tanh took 6x its sigmoid's time). Backward turns the gate buffer into
+the gates' gradients in place (one fused kernel and one ``dgates W_hh`` GEMM per step, in
+reverse), then takes ``W_hh``'s gradient as one GEMM over all slots and the projections' as one
+deterministic sum per source vertex. The rows are split round-robin by degree into one part per
+torch thread (where each part gets at least ``MIN_PART_EDGES`` edges), each part's steps run on
+its own thread at one torch thread: no OpenMP barrier per step, and both cores busy. The buffers
+are kept on the plan's layout between a backward and the next forward: allocating ``6 E H``
+fresh floats costs more in page faults than the step kernels' work. Off the CPU (and under
+``--backend torch``) :class:`_Recurrence` runs the same steps as torch ops.
+
+``auto`` is ``hoisted``: ``packed``'s CPU backward is oneDNN's RNN backward, several times slower.
+Denormals are flushed while the recurrence runs: gradients decaying along long sequences reach
+the denormal range, where they make the per-step GEMMs several times slower. Figures:
+``docs/design/sage-lstm.md``.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -46,7 +54,7 @@ from tessera.errors import ConfigError
 from tessera.graph.csr import CSRStructure
 from tessera.kernels.placement import host_kernels
 from tessera.sparse import lstm_kernels as kernels
-from tessera.threads import flush_denormals, torch_threads
+from tessera.threads import flush_denormals, sync_numba_threads, torch_threads
 
 IMPLS = ("auto", "reference", "packed", "hoisted")
 # torch threads of the per-step ops (see the module docstring)
@@ -136,6 +144,8 @@ def lstm_aggregate(
             f"LSTM weights {tuple(weight_ih.shape)}, {tuple(weight_hh.shape)} do not fit input width {x.shape[1]}"
         )
     plan = plan.on(x.device)
+    if impl in ("auto", "hoisted") and host_kernels(x):
+        return _hoisted_host(plan, x, weight_ih, weight_hh, bias_ih, bias_hh)
     run = {"reference": _reference, "packed": _packed}.get(impl, _hoisted)  # auto: measured, see module docstring
     h = run(plan, x, weight_ih, weight_hh, bias_ih, bias_hh)
     return x.new_zeros(plan.num_rows, hidden).index_copy(0, plan.order, h)
@@ -182,7 +192,8 @@ def _hoisted(plan, x, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
 
 class _Recurrence(torch.autograd.Function):
     """The LSTM recurrence over ``plan``'s packed steps from the per-vertex input projections
-    ``proj`` (``(num_cols, 4H)``, gates i, f, o, g), with a hand-written backward.
+    ``proj`` (``(num_cols, 4H)``, gates i, f, o, g), with a hand-written backward, in torch ops
+    (tensors off the CPU, ``--backend torch``; the CPU runs :class:`_HostRecurrence`).
 
     Forward gathers every step's projections into one ``(E, 4H)`` buffer and activates it in
     place, step by step; ``hs`` holds at step ``t``'s slots the ``h_{t-1}`` its rows read, so
@@ -210,12 +221,8 @@ class _Recurrence(torch.autograd.Function):
         out = proj.new_empty(rows, hid)
         tc = proj.new_empty(rows, hid)
         w_t = w_hh.t()
-        if host_kernels(proj):  # numba's cell kernels over NumPy views
-            cell_state, cell_output = kernels.cell_state, kernels.cell_output
-            g_np, cs_np, tc_np, hs_np, out_np = (a.numpy() for a in (gates, cs, tc, hs, out))
-        else:
-            cell_state, cell_output = kernels.cell_state_torch, kernels.cell_output_torch
-            g_np, cs_np, tc_np, hs_np, out_np = gates, cs, tc, hs, out
+        cell_state, cell_output = kernels.cell_state_torch, kernels.cell_output_torch
+        g_np, cs_np, tc_np, hs_np, out_np = gates, cs, tc, hs, out
         with torch_threads(_STEP_THREADS):
             for t, (b, nb) in enumerate(_steps(plan.batch)):
                 g = gates[ptr[t] : ptr[t] + b]
@@ -239,10 +246,7 @@ class _Recurrence(torch.autograd.Function):
         dgates = torch.empty_like(gates)
         dh, dc, tc = (gates.new_empty(rows, hid) for _ in range(3))
         arrays = [gates, cs, tc, dgates, dh, dc, dout]
-        if host_kernels(gates):
-            cell_backward, arrays = kernels.cell_backward, [a.numpy() for a in arrays]
-        else:
-            cell_backward = kernels.cell_backward_torch
+        cell_backward = kernels.cell_backward_torch
         with torch_threads(_STEP_THREADS):
             for t, (b, nb) in reversed(list(enumerate(_steps(plan.batch)))):
                 torch.tanh(cs[ptr[t] : ptr[t] + b], out=tc[:b])
@@ -261,3 +265,202 @@ class _Recurrence(torch.autograd.Function):
 def _steps(batch: list[int]) -> list[tuple[int, int]]:
     """(rows active at step t, rows still active at t + 1) for every step."""
     return list(zip(batch, batch[1:] + [0], strict=True))
+
+
+# ---- the host recurrence: fused numba steps, rows split over threads ----
+
+# edges per part below which the recurrence does not split its rows over threads
+MIN_PART_EDGES = 16384
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_PID = [0]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One thread's rows: ``order[roff:roff + rows]`` of the layout; at step ``t`` the first
+    ``batch[t]`` of them are active, in slots ``ptr[t]:ptr[t] + batch[t]``."""
+
+    roff: int
+    rows: int
+    batch: list[int]
+    ptr: list[int]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A plan's steps laid out for ``len(parts)`` threads: each part a disjoint range of slots and
+    rows (rows dealt round-robin in descending degree, so every part has about the same edges and
+    steps). ``steps[slot]``: the source column; ``by_src[src_ptr[v]:src_ptr[v + 1]]``: the slots
+    reading column ``v``, in CSR edge order (so the projections' gradient does not depend on the split)."""
+
+    order: np.ndarray
+    steps: np.ndarray
+    parts: list[_Part]
+    by_src: np.ndarray
+    src_ptr: np.ndarray
+    # (gates, hs, cs) buffers a finished backward gave back, for the next forward: a fresh
+    # (E, 6H) allocation costs more in page faults than the recurrence's elementwise work
+    free: list = field(default_factory=list, repr=False, compare=False)
+
+    def buffers(self, hid: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate, ``h`` and ``c`` buffers for ``hid`` wide rows: given-back ones if they fit."""
+        for i, bufs in enumerate(self.free):
+            if bufs[1].shape[1] == hid and bufs[0].dtype == like.dtype:
+                return self.free.pop(i)
+        edges = self.steps.size
+        return like.new_empty(edges, 4 * hid), like.new_empty(edges, hid), like.new_empty(edges, hid)
+
+    def give_back(self, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Keep ``bufs`` (no longer read by anyone) for the next forward; one set per width."""
+        self.free[:] = [b for b in self.free if b[1].shape[1] != bufs[1].shape[1]] + [bufs]
+
+
+def _layout(plan: SequencePlan, parts: int, num_cols: int) -> _Layout:
+    """``plan`` split over ``parts`` threads (made once per plan, part count and column count)."""
+    key = ("layout", parts, num_cols)
+    if key in plan._copies:
+        return plan._copies[key]
+    indptr, src = plan.indptr.numpy(), plan.sources.numpy()
+    deg = np.diff(indptr)
+    order = plan.order.numpy()
+    steps = np.empty(src.size, np.int64)
+    edge = np.empty(src.size, np.int64)
+    out, base, roff = [], 0, 0
+    for p in range(parts):
+        rows = order[p::parts]
+        d = deg[rows]
+        max_deg = int(d[0]) if d.size else 0
+        batch = (rows.size - np.cumsum(np.bincount(d, minlength=max_deg + 1))[:max_deg]).astype(np.int64)
+        ptr = np.full(max_deg + 1, base, np.int64)
+        np.cumsum(batch, out=ptr[1:])
+        ptr[1:] += base
+        # the k-th edge of the row at rank q goes to slot ptr[k] + q
+        rank = np.repeat(np.arange(rows.size), d)
+        k = np.arange(int(d.sum())) - np.repeat(np.cumsum(d) - d, d)
+        pos = np.repeat(indptr[rows], d) + k
+        slot = ptr[k] + rank
+        steps[slot], edge[slot] = src[pos], pos
+        out.append(_Part(roff, rows.size, batch.tolist(), ptr.tolist()))
+        base, roff = base + int(d.sum()), roff + rows.size
+    by_src = np.lexsort((edge, steps))
+    src_ptr = np.zeros(num_cols + 1, np.int64)
+    np.cumsum(np.bincount(steps, minlength=num_cols), out=src_ptr[1:])
+    lay = _Layout(np.concatenate([order[p::parts] for p in range(parts)]), steps, out, by_src, src_ptr)
+    plan._copies[key] = lay
+    return lay
+
+
+def _num_parts(plan: SequencePlan) -> int:
+    """Threads for the recurrence: the caller's count, fewer where a part would get too few edges (or no row)."""
+    return max(1, min(torch.get_num_threads(), plan.sources.numel() // MIN_PART_EDGES, plan.order.numel()))
+
+
+def _hoisted_host(plan, x, w_ih, w_hh, b_ih, b_hh) -> torch.Tensor:
+    """``hoisted`` on the CPU: input projection once per source vertex (gates reordered i, f, o, g),
+    then :class:`_HostRecurrence`; returns all ``plan.num_rows`` rows."""
+    hidden = w_hh.shape[1]
+    if not plan.order.numel():
+        return x.new_zeros(plan.num_rows, hidden)
+    perm = torch.cat(
+        [torch.arange(2 * hidden), torch.arange(3 * hidden, 4 * hidden), torch.arange(2 * hidden, 3 * hidden)]
+    )
+    proj = x @ w_ih[perm].t()
+    if b_ih is not None:
+        proj = proj + (b_ih + b_hh)[perm]
+    lay = _layout(plan, _num_parts(plan), x.shape[0])
+    return _HostRecurrence.apply(proj, w_hh[perm], lay, plan.num_rows)
+
+
+def _in_parts(lay: _Layout, fn, *args) -> None:
+    """``fn(part, *args)`` for every part of ``lay``: part 0 on this thread, the others on pool
+    threads, every one at one torch thread with denormals flushed and without autograd."""
+    futures = []
+    if len(lay.parts) > 1:
+        if _POOL and _POOL_PID[0] != os.getpid():  # a forked child: the parent's threads are not here
+            _POOL.clear()
+        _POOL_PID[0] = os.getpid()
+        while len(_POOL) < len(lay.parts) - 1:
+            _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="tessera-lstm"))
+        futures = [_POOL[i - 1].submit(_on_worker, fn, part, *args) for i, part in enumerate(lay.parts) if i]
+    with torch_threads(1), flush_denormals(), torch.no_grad():
+        fn(lay.parts[0], *args)
+        for f in futures:  # before this thread's count is restored: a worker sets the global one
+            f.result()
+
+
+def _on_worker(fn, *args) -> None:
+    torch.set_num_threads(1)  # this thread's OpenMP and MKL counts
+    with flush_denormals(), torch.no_grad():  # grad mode is per thread
+        fn(*args)
+
+
+class _HostRecurrence(torch.autograd.Function):
+    """The recurrence on the CPU: per step one ``h W_hh^T`` GEMM into the step's slots of the
+    ``(E, 4H)`` gate buffer, then one fused numba kernel for the whole cell; each part of the
+    layout (a disjoint set of rows) runs on its own thread. Keeps the activated gates, every
+    slot's ``c`` and incoming ``h`` (``6 E H`` floats). Backward turns the gates into their
+    gradients in place, step by step in reverse, then takes ``W_hh``'s gradient as one GEMM over
+    all slots and the projections' as one deterministic sum per source column."""
+
+    @staticmethod
+    def forward(ctx, proj, w_hh, lay, num_rows):
+        hid = w_hh.shape[1]
+        gates, hs, cs = lay.buffers(hid, proj)
+        out = proj.new_zeros(num_rows, hid)
+        proj = proj.contiguous()
+        w_t = w_hh.t()
+        g_np, p_np, cs_np, hs_np, out_np = gates.numpy(), proj.detach().numpy(), cs.numpy(), hs.numpy(), out.numpy()
+
+        def run(part: _Part) -> None:
+            ptr, batch = part.ptr, part.batch
+            hs[ptr[0] : ptr[0] + batch[0]] = 0.0  # no h before the first step (W_hh's gradient reads it)
+            for t, (b, nb) in enumerate(_steps(batch)):
+                a, prev = ptr[t], ptr[t - 1] if t else -1
+                if t:
+                    torch.mm(hs[a : a + b], w_t, out=gates[a : a + b])
+                kernels.step_forward(
+                    g_np, p_np, lay.steps, cs_np, hs_np, out_np, lay.order, a, prev, ptr[t + 1], b, nb, part.roff
+                )
+
+        _in_parts(lay, run)
+        if not any(ctx.needs_input_grad[:2]):  # no backward will read them
+            lay.give_back((gates, hs, cs))
+        ctx.save_for_backward(gates, hs, cs, w_hh)
+        ctx.lay, ctx.num_cols, ctx.done = lay, proj.shape[0], False
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        gates, hs, cs, w_hh = ctx.saved_tensors
+        if ctx.done:
+            raise RuntimeError("the LSTM aggregation's backward turns its saved gates into gradients: it runs once")
+        ctx.done = True
+        lay, hid = ctx.lay, w_hh.shape[1]
+        dout = dout.contiguous()
+        g_np, cs_np, dout_np = gates.numpy(), cs.numpy(), dout.numpy()
+
+        def run(part: _Part) -> None:
+            ptr, batch = part.ptr, part.batch
+            dh, dc = gates.new_empty(batch[0], hid), gates.new_zeros(batch[0], hid)
+            dh_np, dc_np = dh.numpy(), dc.numpy()
+            for t, (b, nb) in reversed(list(enumerate(_steps(batch)))):
+                a = ptr[t]
+                kernels.step_backward(
+                    g_np, cs_np, dh_np, dc_np, dout_np, lay.order, a, ptr[t - 1] if t else -1, b, nb, part.roff
+                )
+                if t:
+                    torch.mm(gates[a : a + b], w_hh, out=dh[:b])
+
+        _in_parts(lay, run)
+        with torch.no_grad():
+            dw = gates.t().mm(hs) if ctx.needs_input_grad[1] else None
+            dproj = None
+            if ctx.needs_input_grad[0]:
+                dproj = gates.new_empty(ctx.num_cols, gates.shape[1])
+                threads = torch.get_num_threads()
+                sync_numba_threads()  # its first call starts numba's pool, which resets torch's count
+                torch.set_num_threads(threads)
+                kernels.sum_by_source(g_np, lay.by_src, lay.src_ptr, dproj.numpy())
+        lay.give_back((gates, hs, cs))
+        return dproj, dw, None, None

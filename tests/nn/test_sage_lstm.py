@@ -15,6 +15,7 @@ from tessera.nn.conv import SAGELSTMConv
 from tessera.nn.models import build_model
 from tessera.parallel import make_strategy
 from tessera.parallel.base import StrategyOptions
+from tessera.sparse import lstm as lstm_module
 from tessera.sparse import lstm_aggregate, sequence_plan
 from tessera.threads import torch_threads
 from tessera.train.config import TrainConfig
@@ -92,6 +93,91 @@ def test_fast_paths_equal_the_per_vertex_reference(impl, bias):
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
     for a, b in zip(_grads(got, x, params), _grads(ref, x, params), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_rows_split_over_threads_equal_the_reference(monkeypatch, parts):
+    """The host recurrence's rows dealt to 1-3 threads: same outputs and gradients, and the
+    caller's thread count and denormal mode come back."""
+    monkeypatch.setattr(lstm_module, "MIN_PART_EDGES", 1)
+    torch.manual_seed(0)
+    g = _graph()
+    lstm = torch.nn.LSTM(5, 7)
+    params = list(lstm.parameters())
+    x = torch.randn(g.num_nodes, 5, requires_grad=True)
+    plan = sequence_plan(g)
+    with torch_threads(parts):
+        assert lstm_module._num_parts(plan) == parts
+        got = lstm_aggregate(plan, x, *params, impl="hoisted")
+        grads = _grads(got, x, params)
+        assert torch.get_num_threads() == parts
+    assert (torch.tensor([1e-39]) * 1.0).item() > 0
+    ref = lstm_aggregate(plan, x, *params, impl="reference")
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    for a, b in zip(grads, _grads(ref, x, params), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_more_threads_than_rows_split_no_further(monkeypatch):
+    """A hub with all the edges and two threads: one part, the same values as the reference."""
+    monkeypatch.setattr(lstm_module, "MIN_PART_EDGES", 1)
+    g = Graph.from_edge_index(torch.stack([torch.arange(1, 40), torch.zeros(39, dtype=torch.int64)]), 40)
+    lstm = torch.nn.LSTM(3, 4)
+    x = torch.randn(g.num_nodes, 3)
+    plan = sequence_plan(g)
+    with torch_threads(2), torch.no_grad():
+        assert lstm_module._num_parts(plan) == 1
+        got = lstm_aggregate(plan, x, *lstm.parameters())
+    torch.testing.assert_close(got, lstm_aggregate(plan, x, *lstm.parameters(), impl="reference"), atol=1e-6, rtol=1e-5)
+
+
+def _split_in_fork(queue) -> None:
+    g = _graph()
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4)
+    x = torch.randn(g.num_nodes, 3)
+    with torch_threads(2), torch.no_grad():
+        queue.put(lstm_aggregate(sequence_plan(g), x, *lstm.parameters()).sum().item())
+
+
+def test_split_recurrence_runs_in_a_forked_child(monkeypatch):
+    """The parent's pool threads do not survive a fork: a child makes its own (and does not hang)."""
+    import multiprocessing as mp
+
+    monkeypatch.setattr(lstm_module, "MIN_PART_EDGES", 1)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    _split_in_fork(queue)  # the pool now has a thread in this process
+    want = queue.get(timeout=60)
+    child = ctx.Process(target=_split_in_fork, args=(queue,))
+    child.start()
+    got = queue.get(timeout=120)
+    child.join(60)
+    assert child.exitcode == 0 and got == want
+
+
+def test_kept_buffers_serve_the_next_forward_and_backward_runs_once():
+    """A backward gives its buffers back to the next forward, which computes the same again; an
+    evaluation forward gives them back at once; a second backward through the graph is refused
+    (the first turned the saved gates into their gradients)."""
+    torch.manual_seed(0)
+    g = _graph()
+    lstm = torch.nn.LSTM(4, 6)
+    params = list(lstm.parameters())
+    x = torch.randn(g.num_nodes, 4, requires_grad=True)
+    plan = sequence_plan(g)
+    first = lstm_aggregate(plan, x, *params)
+    grads = _grads(first, x, params)
+    with torch.no_grad():
+        evaluated = lstm_aggregate(plan, x, *params)
+    again = lstm_aggregate(plan, x, *params)
+    torch.testing.assert_close(evaluated, first, rtol=0, atol=0)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    (again * 2).sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        again.sum().backward()
+    for a, b in zip(grads, _grads(lstm_aggregate(plan, x, *params), x, params), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_hoisted_restores_threads_and_denormals():
