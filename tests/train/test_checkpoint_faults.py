@@ -315,7 +315,12 @@ def test_twenty_kill_9s_leave_one_loadable_checkpoint_and_no_temp_after_the_next
         assert t["held"] if t["stage"] != "random" else t["saves_seen"] >= t["at"], t
         # Exactly one checkpoint, loadable, plus metrics and our own temporaries only.
         assert t["epoch"] is not None and t["epoch"] >= t["start"], t
-        assert set(t["files"]) - set(t["temps"]) - {".lock"} == {"checkpoint.pt", "config.toml", "metrics.csv", "metrics.jsonl"}, t
+        assert set(t["files"]) - set(t["temps"]) - {".lock"} == {
+            "checkpoint.pt",
+            "config.toml",
+            "metrics.csv",
+            "metrics.jsonl",
+        }, t
         if t["stage"] in ("half_written", "before_rename"):  # killed between temp write and rename
             assert t["epoch"] == t["start"] + t["at"] - 1 and any(
                 n.startswith(".checkpoint.pt.") for n in t["temps"]
