@@ -11,6 +11,7 @@ import resource
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,36 @@ def _start(argv, err_path, env=None):
     proc = multiprocessing.get_context("fork").Process(target=_forked_main, args=(argv, str(err_path), env or {}))
     proc.start()
     return proc
+
+
+class _Fresh:
+    """``python -m tessera ARGV`` in a new interpreter, with the fork's interface. A run that
+    trains in this process needs one: a fork of a test worker that already ran numba's OpenMP
+    pool aborts when it computes."""
+
+    def __init__(self, argv, err_path):
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with open(err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tessera", *argv], stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO
+            )
+        self.pid = self.proc.pid
+
+    def is_alive(self):
+        return self.proc.poll() is None
+
+    def join(self, timeout=None):
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self):
+        self.proc.kill()
+
+    @property
+    def exitcode(self):
+        return self.proc.poll()
 
 
 def _workers(launcher_pid):
@@ -185,7 +216,7 @@ def test_twenty_sigterms_and_a_sigkill_to_the_launcher_leave_no_worker_and_resum
 def test_a_one_process_run_stops_on_sigint_sigterm_or_sighup_in_one_line(sig, tmp_path):
     out, err = tmp_path / "run", tmp_path / "err"
     argv = [a for a in RUN if a not in ("--nprocs", "2")] + ["--epochs", "100000", "--out", str(out)]
-    run = _start(argv, err)
+    run = _Fresh(argv, err)
     try:
         deadline = time.monotonic() + HANG_GUARD_S
         while _epochs(out) < 2:
