@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import resource
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -122,3 +125,23 @@ def compile_quantize_kernels() -> None:
     x = torch.rand(8, 16, generator=torch.Generator().manual_seed(0))  # leaves the global generator alone
     for bits in (8, 4, 2):
         decode(encode(x, bits, 0), 16, bits, 8)
+
+
+def forked_main(argv: list[str], err_path: str, env: dict[str, str] | None = None) -> None:
+    """``tessera ARGV`` as ``python -m tessera`` runs it, in a fork of this process (torch imported
+    already, so a launcher or a hand-started rank costs no start-up): stdout to /dev/null, stderr
+    (and that of rank 0, which inherits it) to ``err_path``, no core file; exits with its status."""
+    from tessera.cli.main import main
+
+    err = open(err_path, "w", buffering=1)
+    os.dup2(err.fileno(), 2)
+    sys.stderr = err
+    out = open(os.devnull, "w")
+    os.dup2(out.fileno(), 1)
+    sys.stdout = out
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    os.environ.update(env or {})
+    os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])  # the workers import this checkout
+    code = main(argv)
+    err.flush()
+    os._exit(code)

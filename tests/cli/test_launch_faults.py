@@ -3,7 +3,6 @@ a dead worker or lost peer exits with PEER_FAILED (3, as under torchrun), a user
 
 import multiprocessing
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -13,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import tessera.train.loop  # noqa: F401  (imported before forking: a forked launcher imports nothing)
+from helpers import forked_main
 from tessera.cli.launch import PEER_FAILED, first_failure, free_port
-from tessera.cli.main import main
 from tessera.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.distributed  # starts worker processes
@@ -56,24 +55,8 @@ def test_a_worker_user_error_is_relayed_as_its_one_line_even_if_gloo_aborted_it_
     assert capsys.readouterr().err.splitlines() == [texts[1].strip()]
 
 
-def _forked_launcher(argv, err_path):
-    # main() as `python -m tessera` runs it, in a fork of this process, which has torch imported
-    # already: a launcher costs no start-up. Its stderr (and rank 0's, which inherits it) goes to a file.
-    err = open(err_path, "w", buffering=1)
-    os.dup2(err.fileno(), 2)
-    sys.stderr = err
-    out = open(os.devnull, "w")
-    os.dup2(out.fileno(), 1)
-    sys.stdout = out
-    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))  # no core of an abort
-    os.environ["PYTHONPATH"] = str(REPO)  # the workers import this checkout
-    code = main(argv)
-    err.flush()
-    os._exit(code)
-
-
 def _start_launcher(argv, err_path):
-    launcher = multiprocessing.get_context("fork").Process(target=_forked_launcher, args=(argv, str(err_path)))
+    launcher = multiprocessing.get_context("fork").Process(target=forked_main, args=(argv, str(err_path)))
     launcher.start()
     return launcher
 

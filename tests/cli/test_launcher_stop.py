@@ -7,7 +7,6 @@ import json
 import multiprocessing
 import os
 import random
-import resource
 import shlex
 import signal
 import socket
@@ -19,15 +18,15 @@ from pathlib import Path
 import pytest
 
 import tessera.train.loop  # noqa: F401  (imported before forking: a forked launcher imports nothing)
+from helpers import forked_main
 from tessera.cli.launch import PEER_FAILED, free_port
-from tessera.cli.main import main
 from tessera.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.distributed  # starts worker processes
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 20  # --timeout of the runs: a worker may outlive its launcher by at most this + 5 s
-EPOCHS = 40
+EPOCHS = 120  # more than twenty stops can let a loaded machine train between them
 RUN = ["train", "--dataset", "synthetic:tiny", "--nprocs", "2", "--strategy", "partition", "--hidden", "16"]
 RUN += ["--epochs", str(EPOCHS), "--patience", "0", "--checkpoint-every", "1", "--timeout", str(TIMEOUT)]
 RUN += ["--no-progress"]
@@ -35,25 +34,8 @@ STOPS = 20  # SIGTERMs, each at a seeded random moment
 HANG_GUARD_S = 120
 
 
-def _forked_main(argv, err_path, env):
-    # main() as `python -m tessera` runs it, in a fork of this process (torch imported already, so
-    # a launcher or a hand-started rank costs no start-up); its stderr, and rank 0's, go to a file.
-    err = open(err_path, "w", buffering=1)
-    os.dup2(err.fileno(), 2)
-    sys.stderr = err
-    out = open(os.devnull, "w")
-    os.dup2(out.fileno(), 1)
-    sys.stdout = out
-    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-    os.environ.update(env)
-    os.environ["PYTHONPATH"] = str(REPO)  # the workers import this checkout
-    code = main(argv)
-    err.flush()
-    os._exit(code)
-
-
 def _start(argv, err_path, env=None):
-    proc = multiprocessing.get_context("fork").Process(target=_forked_main, args=(argv, str(err_path), env or {}))
+    proc = multiprocessing.get_context("fork").Process(target=forked_main, args=(argv, str(err_path), env or {}))
     proc.start()
     return proc
 
