@@ -1,24 +1,22 @@
 """Aggregation backends: one file each, registered here (one line per backend), and the
 single-process operand that runs on them."""
 
+import importlib.util
+
 from tessera.backends.base import Backend, available_backends, get_backend, register_backend
 from tessera.backends.cpu_csr import CSRBackend
 from tessera.backends.cpu_dense_block import DenseBlockBackend
 from tessera.backends.local import LocalOperand, local_operand
 from tessera.backends.reference import ReferenceBackend
 from tessera.backends.torch_native import TorchBackend
+from tessera.backends.triton_csr import TritonBackend
 from tessera.sparse.operand import register_local
 
 register_backend(ReferenceBackend())
 register_backend(CSRBackend())
 register_backend(DenseBlockBackend(remainder=get_backend("csr"), small=get_backend("reference")))
 register_backend(TorchBackend())
-try:  # triton is a test dependency: without it there is no triton backend
-    from tessera.backends.triton_csr import TritonBackend
-except ModuleNotFoundError as e:
-    if e.name != "triton":
-        raise
-else:
+if importlib.util.find_spec("triton") is not None:  # its kernels load on the first product
     register_backend(TritonBackend())
 register_local(local_operand)
 

@@ -26,9 +26,10 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from tessera.backends.base import get_backend
-from tessera.backends.triton_csr import TL_DTYPE, TritonBackend, bits, on_device
+from tessera.backends.triton_csr import TritonBackend, bits, on_device
 from tessera.bfloat16 import compute_dtype
 from tessera.graph.csr import CSRStructure
+from tessera.kernels.triton_csr_kernels import TL_DTYPE
 
 
 @triton.jit

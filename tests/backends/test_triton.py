@@ -5,6 +5,8 @@ TRITON_INTERPRET=1), on CUDA tensors where one is."""
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 
 import pytest
@@ -233,10 +235,26 @@ def test_without_triton_the_backends_register_without_a_triton_backend(monkeypat
     from tessera.backends import base
 
     monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" raises ModuleNotFoundError
-    monkeypatch.delitem(sys.modules, "tessera.backends.triton_csr")
     monkeypatch.setattr(base, "_BACKENDS", {})  # the registrations below end with the test
     importlib.reload(tessera.backends)
     assert "reference" in base.available_backends() and "triton" not in base.available_backends()
+
+
+def test_a_cpu_training_step_never_loads_triton():
+    # Triton's libraries hold about 70 MB resident: a process that runs no Triton kernel must not map them
+    code = (
+        "import sys, torch\n"
+        "from tessera.datasets import load\n"
+        "from tessera.nn.models import build_model\n"
+        "g = load('synthetic:tiny')\n"
+        "m = build_model('gat', g.x.shape[1], 8, int(g.num_classes), heads=2)\n"
+        "m(g.x, g).sum().backward()\n"
+        "assert 'triton' in __import__('tessera').backends.available_backends()\n"
+        "print(sorted(k for k in sys.modules if k.split('.')[0] == 'triton'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ---------------------------------------------------------------------------------- dropout
