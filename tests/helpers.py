@@ -50,9 +50,35 @@ def each_dataset(datasets: list[tuple[str, str]]) -> Iterator[tuple[str, Graph]]
         yield name, load(name)
 
 
+#: torch's and tessera's switch for ranks that join a store someone else serves (torchrun's agent)
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@contextmanager
+def bound_stores(n: int) -> Iterator[list[int]]:
+    """The ports of ``n`` TCPStore servers this process binds for the block: each binds port 0, so
+    the kernel picks a port nothing holds and it stays held, with no window in which another
+    process can take it. Processes started inside the block inherit ``AGENT_STORE=True``, so
+    their ranks (torch's ``env://`` and tessera's ``init_from_env``) join as clients of the store
+    at ``MASTER_PORT``, as torchrun's workers join their agent's, instead of binding it."""
+    import torch.distributed as dist
+
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(n)]
+    before = os.environ.get(AGENT_STORE)
+    os.environ[AGENT_STORE] = "True"
+    try:
+        yield [s.port for s in stores]
+    finally:
+        if before is None:
+            os.environ.pop(AGENT_STORE, None)
+        else:
+            os.environ[AGENT_STORE] = before
+        stores.clear()
+
+
 def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:
     """``mp.spawn(fn, args)`` where ``args = (world, port, ...)``, retried once on a fresh port if a
-    worker dies by a signal (see ``_spawn``)."""
+    worker dies by a signal or rank 0 finds the port taken (see ``_spawn``)."""
     from tessera.cli.launch import free_port
 
     _spawn(fn, args, nprocs, lambda: (args[0], free_port(), *args[2:]))
@@ -61,13 +87,19 @@ def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:
 def spawn_groups(fn, worlds, args: tuple) -> None:
     """``fn(rank, world, port, *args)`` for every process group size in ``worlds``, all from one
     spawn of ``max(worlds)`` processes: ranks below P form the P-rank group, largest group first,
-    so a process imports torch and tessera once for all the groups it joins."""
+    so a process imports torch and tessera once for all the groups it joins. Each group's store
+    is bound here before the spawn (:func:`bound_stores`): its port cannot be taken meanwhile."""
+    import torch.multiprocessing as mp
+
     worlds = sorted(worlds, reverse=True)
-
-    def fresh_args() -> tuple:
-        return fn, worlds, _free_ports(len(worlds)), args
-
-    _spawn(_in_groups, fresh_args(), worlds[0], fresh_args)
+    for attempt in range(2):
+        with bound_stores(len(worlds)) as ports:
+            try:
+                mp.spawn(_in_groups, args=(fn, worlds, ports, args), nprocs=worlds[0], join=True)
+                return
+            except mp.ProcessExitedException as e:
+                if attempt or not _died_by_signal(e):
+                    raise
 
 
 def _in_groups(rank: int, fn, worlds: list[int], ports: list[int], args: tuple) -> None:
@@ -76,25 +108,29 @@ def _in_groups(rank: int, fn, worlds: list[int], ports: list[int], args: tuple) 
             fn(rank, world, port, *args)
 
 
-def _free_ports(n: int) -> list[int]:
-    from tessera.cli.launch import free_port
+def _died_by_signal(e: Exception) -> bool:
+    """A worker killed by a signal: on a heavily loaded 2-core machine a gloo teardown abort
+    (SIGABRT, "terminate called without an active exception") was seen once."""
+    code = getattr(e, "exit_code", None)
+    return code is not None and code < 0
 
-    ports: set[int] = set()
-    while len(ports) < n:
-        ports.add(free_port())
-    return sorted(ports)
+
+def _port_taken(e: Exception) -> bool:
+    """A worker failed because the port its rank 0 was to bind was taken (picked free, then bound
+    by another process before rank 0 bound it)."""
+    text = str(e)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def _spawn(fn, args: tuple, nprocs: int, retry_args) -> None:
     """``mp.spawn(fn, args)``, run again with ``retry_args()`` (fresh ports) if a worker dies by a
-    signal: on a heavily loaded 2-core machine a gloo teardown abort (SIGABRT, "terminate called
-    without an active exception") was seen once; a second failure is real."""
+    signal or finds its port taken; a second failure is real."""
     import torch.multiprocessing as mp
 
     try:
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)
-    except mp.ProcessExitedException as e:
-        if e.exit_code is None or e.exit_code >= 0:
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        if not (_died_by_signal(e) or _port_taken(e)):
             raise
         mp.spawn(fn, args=retry_args(), nprocs=nprocs, join=True)
 
