@@ -192,6 +192,14 @@ def _parser() -> argparse.ArgumentParser:
         "(gcn, sage, gin, gat on one process; default fp32)",
     )
     t.add_argument(
+        "--memory",
+        choices=("fast", "lean", "auto"),
+        help="fast keeps every activation backward reads; lean keeps each hidden layer's input only and runs the "
+        "layer again in backward (same values; less memory for models of 3+ layers, slower); auto is lean when "
+        "a model of 3+ layers would not fit "
+        "(default fast)",
+    )
+    t.add_argument(
         "--label-prop", type=float, help="share of training labels fed as input features each epoch (default 0)"
     )
     t.add_argument(

@@ -14,7 +14,8 @@ from tessera.errors import ConfigError
 from tessera.nn.conv import GATConv, GCNConv, GINConv, RGCNConv, SAGEConv, SAGELSTMConv
 from tessera.nn.conv.base import GraphConv, LayerHints
 from tessera.nn.mlp import MLP
-from tessera.nn.plan import ExecutionPlan, InputDropout, build_plan
+from tessera.nn.plan import ExecutionPlan, InputDropout, LayerStep, build_plan
+from tessera.nn.recompute import recompute
 from tessera.sparse import GraphOperand, LayerSpec
 from tessera.sparse.rows import take_rows
 
@@ -25,6 +26,9 @@ class GNN(nn.Module):
 
     #: where the caller keeps the input features: None, the device the model is on
     input_device: torch.device | None = None
+    #: in training, keep only each hidden layer's input and run the layer again in backward
+    #: (``--memory lean``; :func:`~tessera.nn.plan.build_plan`): the same values in less memory
+    recompute: bool = False
 
     def __init__(
         self,
@@ -100,42 +104,60 @@ class GNN(nn.Module):
             constant = False
         keep = None
         for step, conv, operand in zip(plan.steps, self.layers, operands, strict=True):
-            if step.norm and self.norms is not None:
-                x = self.norms[step.index](x)
-            if step.input_dropout is InputDropout.MODEL:
-                x = dense.dropout(x, self.dropout, plan.training, rows)
-            elif step.input_dropout is InputDropout.MASK:
-                assert keep is not None  # drawn by the step before
-                x = dropout_with_mask(x, keep, self.dropout)
-            grad_mask = x != 0 if step.input_grad_mask and x.requires_grad else None
-            keep = (
-                dropout_mask((x.shape[0], step.out_width), self.dropout, rows, x.device)
-                if step.draws_output_mask
-                else None
-            )
-            hints = LayerHints(
-                input_grad_mask=grad_mask,
-                output_mask=keep,
-                rows=rows,
-                constant_input=constant and step.constant_input,
-                epilogue=step.epilogue,
-                input_dropout=step.layer_dropout,
-                targets=targets if step.targets else None,
-            )
-            x = conv(x, operand, hints)
-            if step.activation_dropout is not None:
-                # as with an epilogue, the next layer's linear map may leave its input-gradient
-                # product to this node
-                x = dense.act_dropout(x, self.activation, step.activation_dropout, plan.training, rows, takes_owed=True)
+            args = (step, conv, operand, x, keep, rows, constant, targets, plan.training)
+            if step.recompute:
+                x, keep = recompute(self._step, *args)
+            else:
+                x, keep = self._step(*args)
         if targets is not None and not plan.last_takes_targets:
             x = take_rows(x, targets)
         return x
+
+    def _step(
+        self,
+        step: LayerStep,
+        conv: GraphConv,
+        operand: GraphOperand,
+        x: torch.Tensor,
+        keep: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        constant: bool,
+        targets: torch.Tensor | None,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One layer's step of the plan: its output and the next dropout's keep mask, if drawn."""
+        if step.norm and self.norms is not None:
+            x = self.norms[step.index](x)
+        if step.input_dropout is InputDropout.MODEL:
+            x = dense.dropout(x, self.dropout, training, rows)
+        elif step.input_dropout is InputDropout.MASK:
+            assert keep is not None  # drawn by the step before
+            x = dropout_with_mask(x, keep, self.dropout)
+        grad_mask = x != 0 if step.input_grad_mask and x.requires_grad else None
+        keep = (
+            dropout_mask((x.shape[0], step.out_width), self.dropout, rows, x.device) if step.draws_output_mask else None
+        )
+        hints = LayerHints(
+            input_grad_mask=grad_mask,
+            output_mask=keep,
+            rows=rows,
+            constant_input=constant and step.constant_input,
+            epilogue=step.epilogue,
+            input_dropout=step.layer_dropout,
+            targets=targets if step.targets else None,
+        )
+        x = conv(x, operand, hints)
+        if step.activation_dropout is not None:
+            # as with an epilogue, the next layer's linear map may leave its input-gradient
+            # product to this node (not when the next step runs again in backward: build_plan)
+            x = dense.act_dropout(x, self.activation, step.activation_dropout, training, rows, takes_owed=True)
+        return x, keep
 
     def plan(self) -> ExecutionPlan:
         """The execution plan for the current training mode, dropout, S-SpMM setting and the layers'
         placements, built on first use and kept (:func:`~tessera.nn.plan.build_plan`)."""
         layers = self.layers
-        key = (self.training, self.dropout, self.s_spmm, tuple(conv.aggregate_first for conv in layers))
+        key = (self.training, self.dropout, self.s_spmm, self.recompute, tuple(conv.aggregate_first for conv in layers))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = build_plan(
@@ -146,6 +168,7 @@ class GNN(nn.Module):
                 activation=self.activation,
                 norms=self.norms is not None,
                 s_spmm=self.s_spmm,
+                recompute=self.recompute,
             )
         return plan
 

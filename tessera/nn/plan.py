@@ -37,7 +37,9 @@ class LayerStep:
     ``activation_dropout``: otherwise the probability of the dropout the model fuses with the
     activation it applies after the layer (None: no activation, the last layer). ``targets``: the
     layer computes only the loss's target rows. ``constant_input``: the layer may be told its
-    input is constant (layer 0 with nothing before it that changes the raw features)."""
+    input is constant (layer 0 with nothing before it that changes the raw features).
+    ``recompute``: the model keeps only the step's input and runs the step again in backward
+    (``--memory lean``)."""
 
     index: int
     norm: bool
@@ -50,6 +52,7 @@ class LayerStep:
     activation_dropout: float | None
     targets: bool
     constant_input: bool
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ def build_plan(
     activation: str,
     norms: bool,
     s_spmm: bool,
+    recompute: bool = False,
 ) -> ExecutionPlan:
     """The execution plan of layers declaring ``fusions`` (in order, with output widths
     ``out_widths``) under a model with this dropout, activation, LayerNorm before each layer
@@ -84,11 +88,18 @@ def build_plan(
     LayerNorm: a layer that aggregates last gets the next dropout's keep mask drawn ahead, one that
     aggregates first its input's ReLU mask. Without S-SpMM or LayerNorm the activation and the next
     dropout run as one node, inside the layer's last product where it takes the epilogue. A layer
-    that takes its input dropout applies it inside its first product when nothing before it did."""
+    that takes its input dropout applies it inside its first product when nothing before it did.
+
+    With ``recompute`` (training only) every layer but the last keeps only its input for backward
+    and runs again there (activation checkpointing): the same draws from the same generator
+    state, so the same values. No layer then leaves its input-gradient product to the step before
+    (:mod:`tessera.dense.deferred` hands it over by tensor, and a step run again makes new ones).
+    The last layer is not run again: its internals would be rebuilt at once, at the same peak."""
     last = len(fusions) - 1
     fuse = s_spmm and training and 0.0 < dropout < 1.0 and not norms
     fused_next = not norms and not fuse
     p = dropout if training else 0.0
+    recompute = recompute and training
     steps = []
     for i, f in enumerate(fusions):
         dropped_before = fused_next and i > 0
@@ -120,6 +131,7 @@ def build_plan(
                 activation_dropout=p_after if i < last and epilogue is None else None,
                 targets=i == last and f.targets,
                 constant_input=i == 0 and not norms and p == 0.0,
+                recompute=recompute and i < last,
             )
         )
     return ExecutionPlan(tuple(steps), training)

@@ -68,6 +68,7 @@ class TrainConfig:
     num_blocks: int | None = None
     rgcn_variant: str = "auto"
     precision: str = "fp32"
+    memory: str = "fast"
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for mistyped or out-of-range values; returns self."""
@@ -103,6 +104,7 @@ class TrainConfig:
             ),
             (self.comm_bits in (32, 8, 4, 2), f"--comm-bits must be 32, 8, 4 or 2, got {self.comm_bits}"),
             (self.norm in ("none", "layer"), f"--norm must be none or layer, got {self.norm!r}"),
+            (self.memory in MEMORY_MODES, f"--memory must be {' | '.join(MEMORY_MODES)}, got {self.memory!r}"),
             (0.0 <= self.label_prop < 1.0, f"--label-prop must be in [0, 1), got {self.label_prop}"),
             (
                 not (self.resume and self.overwrite),
@@ -207,6 +209,9 @@ def check_aggregate_on(cfg: TrainConfig) -> None:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+#: ``--memory``: fast keeps every activation backward reads; lean keeps each hidden layer's input
+#: only and runs the layer again in backward; auto is lean when a model of 3+ layers would not fit fast
+MEMORY_MODES = ("fast", "lean", "auto")
 
 #: The settings ``--resume`` may change, each with why: they do not change the numbers the run
 #: trains (or, for ``epochs``, only extend them). Every other setting changes them and must match
@@ -238,6 +243,7 @@ RESUME_EXEMPT: dict[str, str] = {
     "mixture_stages": "how the mixture pipelines the same work (the same bits for any stage count)",
     "s_spmm": "skips only outputs that dropout or ReLU zero anyway: the same values",
     "rgcn_variant": "the same relational sum computed in another order",
+    "memory": "lean runs hidden layers again in backward with the same draws: the same values",
 }
 #: the settings that change the numbers a run trains: a resumed run must have the checkpoint's
 NUMBER_SETTINGS = tuple(k for k in FIELDS if k not in RESUME_EXEMPT)

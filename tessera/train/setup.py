@@ -154,6 +154,25 @@ def check_model_memory(cfg: TrainConfig, rows: int, in_dim: int) -> None:
         )
 
 
+def fast_step_bytes(cfg: TrainConfig, rows: int, edges: int, in_dim: int) -> int:
+    """The modelled bytes one fast-mode training step keeps for backward: per vertex the input and
+    four hidden-width float32 values per hidden layer, and per edge a GAT layer's three per-head
+    score arrays (docs/design/memory-modes.md measures them)."""
+    per_row = in_dim + 4 * cfg.hidden * max(cfg.layers - 1, 0)
+    per_edge = 3 * cfg.heads * max(cfg.layers - 1, 0) if cfg.model.lower() == "gat" else 0
+    return 4 * (rows * per_row + edges * per_edge)
+
+
+def recomputes(cfg: TrainConfig, rows: int, edges: int, in_dim: int) -> bool:
+    """Whether training runs the hidden layers again in backward: ``--memory lean``, or ``auto``
+    for a model of three or more layers when 1.5x the fast step's modelled bytes do not fit in
+    what the process can allocate (with two layers lean keeps more bytes for SAGE and GAT:
+    docs/design/memory-modes.md)."""
+    if cfg.memory == "auto":
+        return cfg.layers >= 3 and 3 * fast_step_bytes(cfg, rows, edges, in_dim) > 2 * memory_limit()
+    return cfg.memory == "lean"
+
+
 def prepare(
     cfg: TrainConfig, source: Graph | dict[str, Any], comm: Comm, checkpoint: tuple[Path, dict] | None = None
 ) -> Setup:
@@ -187,6 +206,8 @@ def prepare(
         num_blocks=cfg.num_blocks,
         rgcn_variant=cfg.rgcn_variant,
     )
+    edges = source.num_edges // comm.world if isinstance(source, Graph) else int(len(source["src"]))
+    model.recompute = recomputes(cfg, rows, edges, in_dim)
     options = StrategyOptions(
         cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages, cfg.groups
     )
