@@ -165,8 +165,9 @@ class EmulatedHosts:
             "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostnames[host], *argv,
         ]  # fmt: skip
 
-    def torchrun(self, host: int, nproc_per_node: int, args: Sequence[str]) -> list[str]:
-        """The torchrun command line of ``host`` (c10d rendezvous at host 0) running ``args``. The
+    def torchrun(self, host: int, nproc_per_node: int, args: Sequence[str], max_restarts: int = 0) -> list[str]:
+        """The torchrun command line of ``host`` (c10d rendezvous at host 0) running ``args``,
+        restarting the job's workers up to ``max_restarts`` times after a failure. The
         rendezvous numbers the nodes (``--node-rank`` is ignored there); host 0 has got the lowest
         ranks in every run seen, but nothing here relies on it."""
         torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -179,7 +180,7 @@ class EmulatedHosts:
             f"--rdzv-id={self.prefix}",
             f"--rdzv-conf=is_host={'true' if host == 0 else 'false'}",
             f"--local-addr={self.addresses[host]}",
-            "--max-restarts=0",
+            f"--max-restarts={max_restarts}",
             *args,
         ]
 
@@ -190,10 +191,12 @@ class EmulatedHosts:
         timeout_s: float,
         env: Mapping[str, str] | None = None,
         log_dir: Path | None = None,
+        grace_s: float = FAILED_GRACE_S,
     ) -> list[HostRun]:
         """Run ``torchrun ... ARGS`` on every host at once (``args`` as after torchrun's own
         options, e.g. ``["-m", "tessera", "train", ...]``); each host's status and output, once
-        all have exited or ``timeout_s`` has passed (then the rest are killed). The output is also
+        all have exited or ``timeout_s`` has passed, or ``grace_s`` after one failed (then the rest
+        are killed). The output is also
         kept in ``log_dir/h<i>.out`` and ``.err`` (default: a new temporary folder)."""
         base = {
             **os.environ,
@@ -221,7 +224,7 @@ class EmulatedHosts:
                 )
                 procs.append(p)
                 self._procs.append(p)
-            codes = _wait(procs, timeout_s)
+            codes = _wait(procs, timeout_s, grace_s)
         finally:
             self._kill()
         runs = []
@@ -261,14 +264,14 @@ class EmulatedHosts:
         delete_namespaces(self.prefix)
 
 
-def _wait(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[int | None]:
+def _wait(procs: Sequence[subprocess.Popen], timeout_s: float, grace_s: float) -> list[int | None]:
     """Each process's exit status once all have exited, or ``None`` for those still running at
-    ``timeout_s``, or :data:`FAILED_GRACE_S` after one failed (torchrun's agents wait for their
-    peers at an exit barrier long after a peer has gone)."""
+    ``timeout_s``, or ``grace_s`` after one failed (torchrun's agents wait for their peers at an
+    exit barrier long after a peer has gone)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         if any(p.poll() not in (None, 0) for p in procs):
-            deadline = min(deadline, time.monotonic() + FAILED_GRACE_S)
+            deadline = min(deadline, time.monotonic() + grace_s)
         time.sleep(0.1)
     return [p.poll() for p in procs]
 

@@ -391,9 +391,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with stop_signals():
         try:
             status = _main(argv)
-            if status != 0 and launcher_pid() is not None:
+            torchrun_peer_failed = status == PEER_FAILED and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            if status != 0 and (launcher_pid() is not None or torchrun_peer_failed):
                 # a failed worker has said what it had to: leaving now spares gloo's teardown,
                 # which can abort a rank whose peer is gone, and the launcher reads this status
+                # (torchrun's agent sends SIGTERM to a host's other workers once one has exited:
+                # a worker still in its teardown then would end 143, not 3)
                 _exit_now(status)
             return status
         except KeyboardInterrupt as e:  # also one that came as another command clause was reporting

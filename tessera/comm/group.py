@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import os
+import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,8 @@ _PEER_FAILED = 3
 #: seconds past ``--timeout`` after which a rank still joining ends itself: torch bounds connecting
 #: by the timeout, but a client connected to a port something else holds can wait for its answer forever
 _RENDEZVOUS_SLACK_S = 3.0
+#: seconds a rank whose collective broke waits for each peer's beacon to answer a connection
+PROBE_S = 1.0
 
 
 @dataclass
@@ -170,7 +174,110 @@ def init_from_env(timeout_s: float, device: torch.device | str = "cpu") -> Comm:
                     f"rank {rank} of {world} could not join the job at {where} within --timeout {timeout_s:g} s "
                     f"({first}); {fix}"
                 ) from None
+        if world > 1:
+            _join_peer_table(rank, world)
     return Comm(rank, world, device)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where one rank of the job runs: its host name and the address and port of its beacon (a
+    listening socket it holds while it lives; port 0: it has none)."""
+
+    rank: int
+    host: str
+    addr: str
+    port: int
+
+
+#: every rank's :class:`Peer`, in rank order, once this process has joined a job
+_peers: list[Peer] = []
+#: this rank's beacon: peers that can connect to it know this process is alive and reachable
+_beacon: socket.socket | None = None
+
+
+def _own_address() -> str:
+    """The address this host sends from towards ``MASTER_ADDR`` (no packet is sent), which is the
+    address its peers reach it at; ``127.0.0.1`` when that cannot be told."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "9"))))
+            return str(s.getsockname()[0])
+    except (OSError, ValueError):
+        return "127.0.0.1"
+
+
+def _join_peer_table(rank: int, world: int) -> None:
+    """Open this rank's beacon and all-gather every rank's host name and beacon address, so that
+    a rank whose collective breaks can name the peer it lost (:func:`lost_peers`)."""
+    global _beacon
+    addr, port = _own_address(), 0
+    if _beacon is not None:
+        _beacon.close()
+        _beacon = None
+    try:
+        _beacon = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _beacon.bind((addr, 0))
+        _beacon.listen(socket.SOMAXCONN)  # the kernel completes probes' connections: nothing accepts
+        port = int(_beacon.getsockname()[1])
+    except OSError:
+        if _beacon is not None:
+            _beacon.close()
+        _beacon = None
+    table: list[Any] = [None] * world
+    dist.all_gather_object(table, (socket.gethostname(), addr, port))
+    _peers[:] = [Peer(r, str(h), str(a), int(p)) for r, (h, a, p) in enumerate(table)]
+
+
+def _probe(peer: Peer, timeout_s: float) -> str:
+    """``alive``, ``exited`` (its host refused: nothing holds the beacon) or ``unreachable`` (no
+    answer within ``timeout_s``, or no route to its host)."""
+    try:
+        with socket.create_connection((peer.addr, peer.port), timeout=timeout_s):
+            return "alive"
+    except ConnectionRefusedError:
+        return "exited"
+    except OSError as e:
+        return "exited" if e.errno == errno.ECONNRESET else "unreachable"
+
+
+def _ranks(peers: Sequence[Peer]) -> str:
+    return ("rank " if len(peers) == 1 else "ranks ") + ", ".join(str(p.rank) for p in peers)
+
+
+def lost_peers(rank: int, timeout_s: float = PROBE_S) -> str | None:
+    """Which peers ``rank`` lost, in words, from probing every other rank's beacon at once (at
+    most ``timeout_s``): the hosts that did not answer (a cut link, a host gone) and their ranks,
+    else the ranks that exited; ``None`` when every peer answered or no table was made."""
+    others = [p for p in _peers if p.rank != rank and p.port > 0]
+    if not others:
+        return None
+    states: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda p=p: states.__setitem__(p.rank, _probe(p, timeout_s)), daemon=True)
+        for p in others
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 1.0)
+    here = _peers[rank].host if rank < len(_peers) else socket.gethostname()
+    unreachable = [p for p in others if states.get(p.rank, "unreachable") == "unreachable"]
+    if unreachable:
+        hosts: dict[str, list[Peer]] = {}
+        for p in unreachable:
+            hosts.setdefault(p.host, []).append(p)
+        said = "; ".join(
+            f"host {h} is unreachable ({_ranks(ps)} at {', '.join(sorted({p.addr for p in ps}))} "
+            f"gave no answer within {timeout_s:g} s)"
+            for h, ps in hosts.items()
+        )
+        return f"{said}; this rank is on host {here}"
+    exited = [p for p in others if states.get(p.rank) == "exited"]
+    if exited:
+        return "; ".join(f"{_ranks([p])} on host {p.host} has exited" for p in exited)
+    return None
 
 
 @contextlib.contextmanager
@@ -245,6 +352,10 @@ def shutdown(clean: bool = True) -> None:
     others, so none tears gloo down while a peer still talks to it (a torchrun worker can abort
     in teardown otherwise); restarted workers pass this barrier because each attempt has its own
     store prefix (``_attempt_store``)."""
+    global _beacon
+    if _beacon is not None:
+        _beacon.close()
+        _beacon = None
     if dist.is_initialized():
         if clean:
             try:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 import statistics
 import sys
@@ -862,16 +863,21 @@ def _peers_may_fail(rank: int) -> Iterator[None]:
     """A distributed rank's block: a failed collective (gloo/NCCL: a peer died, hung past
     ``--timeout``, or broke the exchange) becomes one :class:`DistributedError`, and any error
     leaves the process group first."""
-    from tessera.comm.group import shutdown
+    from tessera.comm.group import lost_peers, shutdown
 
     try:
         yield
     except RuntimeError as e:
+        lost = lost_peers(rank)  # before leaving: this rank's beacon tells its peers it still lives
         shutdown(clean=False)
         if os.environ.get("TESSERA_DEBUG"):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(f"rank {rank}: a collective failed ({first[:200]}); a peer died or timed out") from None
+        first = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", first)  # gloo's source location
+        said = f"; {lost}" if lost else ""
+        raise DistributedError(
+            f"rank {rank}: a collective failed ({first[:200]}); a peer died or timed out{said}"
+        ) from None
     except BaseException:
         shutdown(clean=False)
         raise
