@@ -37,6 +37,7 @@ LAYER_OF_TOP = {
     "devices": "base",
     "workspace": "base",
     "bfloat16": "base",
+    "phases": "base",
     "datasets": "graph",  # loaders by name: a graph-layer module kept at the top for `tessera.datasets.load`
 }
 # The primitives over an operand know neither the dense products nor relational sums (so the core

@@ -37,6 +37,7 @@ from tessera.memo import tuning
 from tessera.nn.loss import bce_rows, cross_entropy_rows
 from tessera.nn.mixture import MixtureGNN
 from tessera.nn.models import GNN
+from tessera.phases import phase
 from tessera.threads import set_num_threads
 from tessera.train.checkpoint import (
     check_contents,
@@ -418,7 +419,7 @@ class Trainer:
         if self.is_main and sys.stderr.isatty() and not kernels_compiled():
             # only where someone watches: a log gets no line that depends on the cache's state
             log.info("compiling kernels for this machine (first run only: numba caches them for later runs)")
-        with self.kernels():
+        with self.kernels(), phase("setting the run up (vertex order, model, operands)"):
             run = prepare(
                 cfg, graph, self.comm, None if self._resume is None else (self.out / CHECKPOINT, self._resume)
             )
@@ -897,7 +898,8 @@ def train(cfg: TrainConfig, graph: Graph | None = None) -> dict[str, Any]:
         if graph is None and not cfg.parts_dir:
             from tessera.datasets import load
 
-            graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
+            with phase(f"loading {cfg.dataset}"):
+                graph = load(cfg.dataset, name=cfg.name, split=cfg.split)
         if single:
             assert graph is not None  # loaded above
             trainer = Trainer(cfg, graph)

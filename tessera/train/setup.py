@@ -22,6 +22,7 @@ from tessera.nn.models import GNN
 from tessera.parallel import Shard, Strategy, StrategyOptions, make_strategy
 from tessera.parallel.base import SPLITS
 from tessera.parallel.mixed import make_layer_strategy
+from tessera.phases import phase
 from tessera.planner.plan import Plan
 from tessera.sparse import Operand
 from tessera.train.checkpoint import check_plan
@@ -215,14 +216,16 @@ def prepare(
     # A distributed run renumbers the whole graph before planning and splitting it, so each rank's
     # rows (its part's vertices in increasing new id) come in locality order; shard.ids maps back.
     widths = [spec.aggregate_width for spec in model.describe()]
-    renumbered = _distributed_order(source, cfg.reorder, widths, cfg.backend, comm) if distributed else None
+    with phase("ordering the vertices"):
+        renumbered = _distributed_order(source, cfg.reorder, widths, cfg.backend, comm) if distributed else None
     original = source
     if renumbered is not None:
         assert isinstance(source, Graph)  # part files are never renumbered
         source = renumbered.permute(source)
     if distributed:
         resumed = check_plan(checkpoint[1], checkpoint[0], model) if checkpoint is not None else None
-        choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed)
+        with phase("planning each layer (measuring kernels and exchanges)"):
+            choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed)
         for conv, choice in zip(model.layers, choices):
             conv.place(choice.aggregate_first)
         strategy = make_layer_strategy(comm, options, choices, pool)
@@ -241,10 +244,13 @@ def prepare(
     else:
         # auto times the CPU's kernels: a run on another device keeps the caller's order unless asked
         setting = cfg.reorder if comm.device.type == "cpu" or cfg.reorder != "auto" else "none"
-        method = resolve(source, setting, [s.aggregate_width for s in specs], cfg.backend)
+        with phase("choosing a vertex order (measuring aggregation in each)"):
+            method = resolve(source, setting, [s.aggregate_width for s in specs], cfg.backend)
         if method != "none":
-            order = VertexOrder.of(source, method, max(s.aggregate_width for s in specs))
-        shard = strategy.shard(source if order is None else order.permute(source))
+            with phase(f"computing the {method} vertex order"):
+                order = VertexOrder.of(source, method, max(s.aggregate_width for s in specs))
+        with phase("renumbering the graph"):
+            shard = strategy.shard(source if order is None else order.permute(source))
         if order is not None:  # train in the new numbering; everything user-visible keeps the caller's
             shard.ids, shard.fingerprint = order.perm, source.fingerprint()
     if checkpoint is not None and isinstance(original, Graph) and isinstance(checkpoint[1], dict):
