@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with stop_signals():
         try:
             status = _main(argv)
-            torchrun_peer_failed = status == PEER_FAILED and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            torchrun_peer_failed = status == PEER_FAILED and "TORCHELASTIC_RUN_ID" in os.environ
             if status != 0 and (launcher_pid() is not None or torchrun_peer_failed):
                 # a failed worker has said what it had to: leaving now spares gloo's teardown,
                 # which can abort a rank whose peer is gone, and the launcher reads this status
