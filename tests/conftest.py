@@ -65,3 +65,16 @@ def planetoid_root() -> Path:
 def datasets(planetoid_root):
     """The distributed tests' graphs: Cora (with its data root) and synthetic:small."""
     return [("cora", str(planetoid_root.parent)), ("synthetic:small", "")]
+
+
+@pytest.fixture(scope="module")
+def hosts_ready() -> None:
+    """Skip (fail under CI=true) where emulated hosts (``tests/hosts.py``) cannot be made: no root,
+    no iproute2."""
+    from hosts import unavailable
+
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)

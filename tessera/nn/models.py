@@ -149,7 +149,7 @@ class GNN(nn.Module):
         x = conv(x, operand, hints)
         if step.activation_dropout is not None:
             # as with an epilogue, the next layer's linear map may leave its input-gradient
-            # product to this node (not when the next step runs again in backward: build_plan)
+            # product to this node
             x = dense.act_dropout(x, self.activation, step.activation_dropout, training, rows, takes_owed=True)
         return x, keep
 

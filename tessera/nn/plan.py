@@ -92,8 +92,8 @@ def build_plan(
 
     With ``recompute`` (training only) every layer but the last keeps only its input for backward
     and runs again there (activation checkpointing): the same draws from the same generator
-    state, so the same values. No layer then leaves its input-gradient product to the step before
-    (:mod:`tessera.dense.deferred` hands it over by tensor, and a step run again makes new ones).
+    state, so the same values. Owed input-gradient products (:mod:`tessera.dense.deferred`) still
+    pass between steps: backward walks the first run's graph, whose records they are kept in.
     The last layer is not run again: its internals would be rebuilt at once, at the same peak."""
     last = len(fusions) - 1
     fuse = s_spmm and training and 0.0 < dropout < 1.0 and not norms

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from hosts import unavailable
 from hosts_linkcut import CUT_HOST, HOSTS, RANKS_PER_HOST, TIMEOUT_S, cut_link_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.multihost]  # starts torchrun on emulated hosts
@@ -20,16 +19,6 @@ PEER_FAILED = 3
 #: seconds past --timeout within which every rank must have ended after the cut
 SLACK_S = 5.0
 REPEATS = int(os.environ.get("TESSERA_LINK_CUTS", "1"))
-
-
-@pytest.fixture(scope="module")
-def hosts_ready() -> None:
-    """Skip (fail under CI=true) where emulated hosts cannot be made: no root, no iproute2."""
-    why = unavailable()
-    if why is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
 
 
 @pytest.mark.parametrize("repeat", range(REPEATS))
