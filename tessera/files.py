@@ -26,33 +26,32 @@ def _temp_pattern(path: Path) -> re.Pattern[str]:
     return re.compile(re.escape(f".{path.name}.") + r"[a-z0-9_]{8}" + re.escape(".tmp"))
 
 
-def _new_temp(path: Path) -> Path:
-    """Create an empty temporary file beside ``path``, named for :func:`_temp_pattern`."""
-    while True:
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            # 0o666 and O_EXCL, as open() would create it: the process umask decides the mode
-            # (mkstemp's 0600 would leave every output readable by its owner only)
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        except FileExistsError:
-            continue
-        return tmp
-
-
 def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, rename it onto ``path``,
     then fsync the directory so the rename itself survives a crash. The file's mode follows the
-    umask, as a plain ``open()``'s does."""
+    umask, as a plain ``open()``'s does. A stop signal at any moment leaves no temporary behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_temp(path)
+    tmp: Path | None = None
+    # One try from before the temporary exists: a Stopped raised between its creation and the
+    # first statement after it (the signal handler runs at the next bytecode) must remove it too.
     try:
+        while True:
+            tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+            try:
+                # 0o666 and O_EXCL, as open() would create it: the process umask decides the mode
+                # (mkstemp's 0600 would leave every output readable by its owner only)
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                break
+            except FileExistsError:
+                tmp = None  # another writer's: never ours to remove
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:

@@ -412,6 +412,45 @@ def test_stale_temp_removal_takes_only_atomic_writes_own_names(tmp_path):
     assert target.read_bytes() == b"x"
 
 
+@pytest.mark.parametrize("moment", ["created", "closed", "writing"])
+def test_a_stop_signal_at_any_moment_of_atomic_write_leaves_no_temporary(moment, tmp_path, monkeypatch):
+    # a signal handler raises Stopped at the next bytecode: right after the O_EXCL open made the
+    # file, right after its descriptor closed, or inside write(); each must leave nothing behind
+    import tessera.files as files
+    from tessera.cli.watch import Stopped
+
+    target = tmp_path / "checkpoint.pt"
+    target.write_bytes(b"old")
+    real_open, real_close = os.open, os.close
+
+    def stop_after(real, when):
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if moment == when and str(args[0]).endswith(".tmp"):
+                raise Stopped(signal.SIGHUP)
+            return result
+
+        return call
+
+    def close(fd):
+        real_close(fd)
+        if moment == "closed":
+            raise Stopped(signal.SIGHUP)
+
+    monkeypatch.setattr(files.os, "open", stop_after(real_open, "created"))
+    monkeypatch.setattr(files.os, "close", close)
+
+    def write(tmp):
+        tmp.write_bytes(b"half")
+        raise Stopped(signal.SIGHUP)
+
+    with pytest.raises(Stopped):
+        atomic_write(target, write)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert target.read_bytes() == b"old"
+
+
 # ---------------------------------------------------------------- checkpoint fields
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory):
