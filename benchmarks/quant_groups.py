@@ -116,14 +116,17 @@ def _worker(rank, world, port, root, groups, err_groups, fp32, seeds, out_dir):
 
 def accuracy_table(root: str, seeds: int, groups=GROUPS, err_groups=GROUPS, fp32: bool = True) -> None:
     """Cora, 4 ranks: test accuracy per configuration and int2 error per G (``err_groups``)."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from tessera.cli.launch import free_port
-
     world = 4
+    # the ranks join a store this process serves (as torchrun's workers join their agent's): its
+    # port is bound here before they start, so nothing else can take it
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     with tempfile.TemporaryDirectory() as d:
         t0 = time.perf_counter()
-        args = (world, free_port(), root, tuple(groups), tuple(err_groups), fp32, seeds, d)
+        args = (world, store.port, root, tuple(groups), tuple(err_groups), fp32, seeds, d)
         mp.spawn(_worker, args=args, nprocs=world, join=True)
         wall = time.perf_counter() - t0
         acc = json.loads((Path(d) / "acc.json").read_text())

@@ -76,12 +76,66 @@ def bound_stores(n: int) -> Iterator[list[int]]:
         stores.clear()
 
 
-def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:
-    """``mp.spawn(fn, args)`` where ``args = (world, port, ...)``, retried once on a fresh port if a
-    worker dies by a signal or rank 0 finds the port taken (see ``_spawn``)."""
-    from tessera.cli.launch import free_port
+#: in ``spawn_with_retry``'s arguments (or a tuple among them): a port a store is bound on first
+PORT = object()
 
-    _spawn(fn, args, nprocs, lambda: (args[0], free_port(), *args[2:]))
+
+def spawn_with_retry(fn, args: tuple, nprocs: int) -> None:
+    """``mp.spawn(fn, args)`` with each :data:`PORT` in ``args`` (or in a tuple among them)
+    replaced by the port of a store this process binds first (:func:`bound_stores`), retried once
+    if a worker dies by a signal (see ``_died_by_signal``)."""
+    import torch.multiprocessing as mp
+
+    slots = _count_ports(args)
+    for attempt in range(2):
+        with bound_stores(slots) as ports:
+            try:
+                mp.spawn(fn, args=_fill_ports(args, iter(ports)), nprocs=nprocs, join=True)
+                return
+            except mp.ProcessExitedException as e:
+                if attempt or not _died_by_signal(e):
+                    raise
+
+
+def _count_ports(args: tuple) -> int:
+    return sum(1 if a is PORT else _count_ports(a) if isinstance(a, tuple) else 0 for a in args)
+
+
+def _fill_ports(args: tuple, ports: Iterator[int]) -> tuple:
+    return tuple(next(ports) if a is PORT else _fill_ports(a, ports) if isinstance(a, tuple) else a for a in args)
+
+
+def unserved_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on right now (for a rank that must find no job)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def store_socket_env(world: int) -> Iterator[list[dict[str, str]]]:
+    """Environments for ``world`` ranks forked (or started with the socket passed) inside the
+    block: rank 0 serves the job's store on a listening socket bound here first, as under
+    ``tessera train --nprocs`` (:data:`tessera.comm.group.STORE_FD`), so no other process can
+    take the port meanwhile."""
+    from tessera.cli.launch import store_socket
+    from tessera.comm.group import STORE_FD
+
+    with store_socket() as sock:
+        port, fd = str(sock.getsockname()[1]), str(sock.fileno())
+        base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world)}
+        yield [
+            {
+                **base,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(world),
+                STORE_FD: fd if r == 0 else "rank 0",
+            }
+            for r in range(world)
+        ]
 
 
 def spawn_groups(fn, worlds, args: tuple) -> None:
@@ -113,26 +167,6 @@ def _died_by_signal(e: Exception) -> bool:
     (SIGABRT, "terminate called without an active exception") was seen once."""
     code = getattr(e, "exit_code", None)
     return code is not None and code < 0
-
-
-def _port_taken(e: Exception) -> bool:
-    """A worker failed because the port its rank 0 was to bind was taken (picked free, then bound
-    by another process before rank 0 bound it)."""
-    text = str(e)
-    return "EADDRINUSE" in text or "address already in use" in text.lower()
-
-
-def _spawn(fn, args: tuple, nprocs: int, retry_args) -> None:
-    """``mp.spawn(fn, args)``, run again with ``retry_args()`` (fresh ports) if a worker dies by a
-    signal or finds its port taken; a second failure is real."""
-    import torch.multiprocessing as mp
-
-    try:
-        mp.spawn(fn, args=args, nprocs=nprocs, join=True)
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-        if not (_died_by_signal(e) or _port_taken(e)):
-            raise
-        mp.spawn(fn, args=retry_args(), nprocs=nprocs, join=True)
 
 
 @contextmanager

@@ -4,7 +4,8 @@ If any worker exits with an error or is killed, the others are stopped and the l
 line naming the rank that failed first, so a dead worker never leaves the job hanging. (Workers
 blocked in a collective on a dead peer would also raise after ``--timeout``.) Exit statuses: 0 when
 every rank succeeds, 2 for a user error (printed once), :data:`PEER_FAILED` when a worker died or
-lost a peer.
+lost a peer. The job's store port is bound by the launcher before any worker starts and served by
+rank 0 on that same socket (:func:`store_socket`), so no other program can take it in between.
 
 SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to the workers as SIGTERM, which stops
 each as Ctrl-C does (its last complete checkpoint stays); the launcher waits for them, bounded,
@@ -19,7 +20,6 @@ import contextlib
 import math
 import os
 import queue
-import random
 import signal
 import socket
 import subprocess
@@ -28,10 +28,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from types import FrameType
 
 from tessera.cli.watch import STOP_GRACE_S, STOP_SIGNALS, Stopped, no_stop_watchdog, signal_name
+from tessera.comm.group import STORE_FD
 from tessera.errors import DistributedError
 
 USER_ERROR = 2
@@ -44,31 +44,19 @@ _LOG_TAIL = 20  # lines of a failed non-zero rank's stderr shown above the error
 STOP_WAIT_S = STOP_GRACE_S + 5.0
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now, picked below the kernel's ephemeral range:
-    a port from that range (what binding port 0 gives) can be handed to one of the many outgoing
-    connections gloo opens between this check and the store binding it."""
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(64):
-        port = rng.randrange(max(1024, low - 16384), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_low() -> int:
-    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+def store_socket() -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 at a port the kernel picks, for rank 0's store
+    (``TESSERA_STORE_FD``): bound before any worker starts and held from then on, so no other
+    process can take the port between choosing it and serving it."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)  # every rank connects at once; a short backlog drops connections under load
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _describe(code: int) -> str:
@@ -212,7 +200,7 @@ def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
     when every rank succeeds or 2 after a user error printed once; raises
     :class:`DistributedError` naming the rank that failed first when a worker died or broke, or
     :class:`~tessera.cli.watch.Stopped` after a stop signal stopped the workers."""
-    port = free_port()
+    store = store_socket()
     procs: list[subprocess.Popen] = []
     # Each worker gets its share of the cores unless the user chose (as torchrun does).
     share = str(max(1, (os.cpu_count() or 1) // nprocs))
@@ -229,7 +217,8 @@ def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
     failed = None
     with _forwarding(stop):  # around the clean-up too: a late signal cannot cut it short
         try:
-            _start(procs, stop, argv, nprocs, port, threads, logs, native0)
+            _start(procs, stop, argv, nprocs, store, threads, logs, native0)
+            store.close()  # rank 0 holds its own copy
             failed = _collect(_watch(procs), nprocs, grace_s, stop)
             if stop.signum is not None:
                 stop.forward()  # again: a worker started as the signal came may have missed it
@@ -245,6 +234,7 @@ def launch(argv: Sequence[str], nprocs: int, grace_s: float = 2.0) -> int:
             for log in [*worker_logs, native0]:
                 log.close()
             stop.close()
+            store.close()
     if stop.signum is not None and (len(procs) < nprocs or any(p.returncode != 0 for p in procs)):
         raise Stopped(stop.signum)
     if failed is None:
@@ -259,7 +249,7 @@ def _start(
     stop: _StopRequest,
     argv: Sequence[str],
     nprocs: int,
-    port: int,
+    store: socket.socket,
     threads: dict[str, str],
     logs: list,
     native0,
@@ -272,18 +262,19 @@ def _start(
             **os.environ,
             **threads,
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            "MASTER_PORT": str(store.getsockname()[1]),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(nprocs),
             "LOCAL_WORLD_SIZE": str(nprocs),
             "TESSERA_LAUNCHER_PID": str(os.getpid()),
             "TESSERA_LAUNCHER_FD": str(stop.read_fd),
+            STORE_FD: str(store.fileno()) if rank == 0 else "rank 0",
         }
         fds = [stop.read_fd]
         if rank == 0:
             env["TESSERA_NATIVE_STDERR_FD"] = str(native0.fileno())
-            fds.append(native0.fileno())
+            fds += [native0.fileno(), store.fileno()]
         cmd = [sys.executable, "-m", "tessera", *argv]
         procs.append(subprocess.Popen(cmd, env=env, stderr=logs[rank], pass_fds=fds))
         stop.forward()  # a stop signal that came while this worker was starting

@@ -166,7 +166,11 @@ def init_from_env(timeout_s: float, device: torch.device | str = "cpu") -> Comm:
         with _rendezvous_deadline(f"rank {rank} of {world}", where, timeout_s, fix):
             try:
                 dist.init_process_group(
-                    backend_for(device), rank=rank, world_size=world, timeout=timeout, store=_attempt_store(timeout)
+                    backend_for(device),
+                    rank=rank,
+                    world_size=world,
+                    timeout=timeout,
+                    store=_job_store(rank, world, timeout),
                 )
             except RuntimeError as e:  # torch's DistNetworkError, DistStoreError: no group to leave
                 first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -334,24 +338,40 @@ def _stderr_held() -> Iterator[int]:
         held.close()
 
 
-def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, a store private to this restart attempt; ``None`` means torch's ``env://``.
+#: set in every rank of a job whose rank 0 inherited a listening socket for the store: its file
+#: descriptor in rank 0, any value in the others
+STORE_FD = "TESSERA_STORE_FD"
 
-    torchrun's agent hosts one store for the whole job, so after a worker dies and the group is
-    restarted the previous attempt's peer addresses are still in it: a restarted rank can read a
-    dead peer's address before the live one overwrites it and fail with "connection refused".
-    Prefixing every key with the attempt number makes each attempt start from an empty namespace."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+
+def _job_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The job's store, or ``None`` for torch's ``env://``.
+
+    Under ``tessera train --nprocs``, the launcher bound a listening socket before starting any
+    worker and passed it to rank 0 (:data:`STORE_FD`): rank 0 serves the store on it, so the port
+    was never free for another process to take, and the others join it as clients.
+
+    Under torchrun, a store private to this restart attempt: torchrun's agent hosts one store for
+    the whole job, so after a worker dies and the group is restarted the previous attempt's peer
+    addresses are still in it, and a restarted rank can read a dead peer's address before the
+    live one overwrites it and fail with "connection refused". Prefixing every key with the
+    attempt number makes each attempt start from an empty namespace."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        base = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    fd = os.environ.get(STORE_FD)
+    if fd is None:
         return None
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"tessera/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    if rank == 0:
+        return dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=int(fd))
+    return dist.TCPStore(addr, port, world, False, timeout)
 
 
 def shutdown(clean: bool = True) -> None:
     """Leave the process group if one was joined. After a clean run every rank first meets the
     others, so none tears gloo down while a peer still talks to it (a torchrun worker can abort
     in teardown otherwise); restarted workers pass this barrier because each attempt has its own
-    store prefix (``_attempt_store``)."""
+    store prefix (``_job_store``)."""
     global _beacon
     if _beacon is not None:
         _beacon.close()

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 import tessera.train.loop  # noqa: F401  (imported before forking: a forked launcher imports nothing)
-from helpers import forked_main
-from tessera.cli.launch import PEER_FAILED, first_failure, free_port
+from helpers import forked_main, store_socket_env
+from tessera.cli.launch import PEER_FAILED, first_failure
+from tessera.comm.group import STORE_FD
 from tessera.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.distributed  # starts worker processes
@@ -170,25 +171,26 @@ def test_a_user_error_in_one_worker_exits_2_with_its_one_line(tmp_path):
     assert "part-1.npz is missing" in lines[0]
 
 
-def _peer_that_dies(port):
+def _peer_that_dies(env):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1", WORLD_SIZE="2")
-    dist.init_process_group("gloo")
+    os.environ.update(env)
+    store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), 2, False)  # rank 0 serves it
+    dist.init_process_group("gloo", rank=1, world_size=2, store=store)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_torchrun_worker_that_loses_its_peer_exits_peer_failed_in_one_line(tmp_path):
     # torchrun's environment without tessera's launcher: rank 1 (a fork of this process, no
     # start-up) joins the group and dies; rank 0 says so itself.
-    port = free_port()
-    peer = multiprocessing.get_context("fork").Process(target=_peer_that_dies, args=(port,))
-    peer.start()
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}
     argv = ["train", "--dataset", "synthetic:tiny", "--epochs", "100000", "--timeout", "600"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}
     cmd = [sys.executable, "-m", "tessera", *argv, "--out", str(tmp_path / "o"), "--no-progress"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    with store_socket_env(2) as (env, peer_env):  # rank 0 serves the store on a socket bound here
+        peer = multiprocessing.get_context("fork").Process(target=_peer_that_dies, args=(peer_env,))
+        peer.start()
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env}
+        fd = int(env[STORE_FD])
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S, pass_fds=[fd])
     peer.join()
     assert peer.exitcode == KILL
     assert r.returncode == PEER_FAILED, r.stderr

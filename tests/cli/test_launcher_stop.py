@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import tessera.train.loop  # noqa: F401  (imported before forking: a forked launcher imports nothing)
-from helpers import forked_main
-from tessera.cli.launch import PEER_FAILED, free_port
+from helpers import forked_main, unserved_port
+from tessera.cli.launch import PEER_FAILED
 from tessera.train.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.distributed  # starts worker processes
@@ -236,7 +236,7 @@ def test_a_rank_that_cannot_join_stops_after_its_timeout_in_one_line(tmp_path):
     # against one another program holds: each stops within --timeout + 5 s, one line, status 3.
     timeout = 3
     squatter = _Squatter()
-    ports = {"nobody serves": free_port(), "another program holds": squatter.port}
+    ports = {"nobody serves": unserved_port(), "another program holds": squatter.port}
     argv = ["train", "--dataset", "synthetic:tiny", "--timeout", str(timeout), "--no-progress"]
     ranks = {}
     start = time.monotonic()

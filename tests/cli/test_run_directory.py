@@ -160,26 +160,20 @@ def _distributed_worker(rank: int, world: int, port: int, out: str, report: str)
 def test_every_rank_of_a_distributed_run_stops_when_rank_0_is_refused(tmp_path):
     # rank 0 alone writes the run directory and so checks its lock; the others stop with it
     # (a flag broadcast before any other work), none waits on a peer that stopped
-    from tests.helpers import spawn_with_retry
+    from tests.helpers import PORT, spawn_with_retry
 
     out, report = tmp_path / "run", tmp_path / "report"
     report.mkdir()
     lock = acquire(out)
     try:
         t0 = time.monotonic()
-        spawn_with_retry(_distributed_worker, (2, _port(), str(out), str(report)), 2)
+        spawn_with_retry(_distributed_worker, (2, PORT, str(out), str(report)), 2)
         assert time.monotonic() - t0 < 60
     finally:
         lock.release()
     rank0, rank1 = ((report / f"rank{r}").read_text() for r in (0, 1))
     assert rank0.startswith("refused: ") and f"pid {os.getpid()}" in rank0, rank0
     assert rank1.startswith("refused: ") and "rank 0 refused the run directory" in rank1, rank1
-
-
-def _port() -> int:
-    from tessera.cli.launch import free_port
-
-    return free_port()
 
 
 def test_default_directories_of_runs_differing_only_in_lr_differ(tmp_path, monkeypatch, capsys):

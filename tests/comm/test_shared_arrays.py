@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import spawn_with_retry
+from helpers import PORT, spawn_with_retry
 from tessera.comm.shared_arrays import ENV, map_arrays, write_arrays
 
 pytestmark = pytest.mark.distributed  # starts worker processes
@@ -94,9 +94,7 @@ def ranks(tmp_path_factory):
     (out / "a-file").write_text("not a directory")
     shm = out / "shm"
     shm.mkdir()
-    from tessera.cli.launch import free_port
-
-    spawn_with_retry(_worker, (2, free_port(), str(out), str(shm)), 2)
+    spawn_with_retry(_worker, (2, PORT, str(out), str(shm)), 2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
 
 

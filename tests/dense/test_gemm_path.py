@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import spawn_with_retry
+from helpers import PORT, spawn_with_retry
 from tessera import dense
 from tessera.dense import gemm_path
 
@@ -193,7 +193,5 @@ def _ranks_that_would_decide_apart(rank, world, port, out):
 def test_a_distributed_run_takes_rank_0s_path_and_chunk_library_on_every_rank(tmp_path):
     if not gemm_path.onednn_usable():
         pytest.skip("this torch build has no oneDNN ops")
-    from tessera.cli.launch import free_port
-
-    spawn_with_retry(_ranks_that_would_decide_apart, (2, free_port(), str(tmp_path)), 2)
+    spawn_with_retry(_ranks_that_would_decide_apart, (2, PORT, str(tmp_path)), 2)
     assert [(tmp_path / f"path-{r}").read_text() for r in (0, 1)] == ["onednn_kept onednn"] * 2

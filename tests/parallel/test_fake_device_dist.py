@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import spawn_with_retry
+from helpers import PORT, spawn_with_retry
 
 pytestmark = pytest.mark.distributed
 
@@ -77,9 +77,7 @@ def _worker(rank, world, port, out_dir):
 
 
 def test_every_strategy_keeps_the_step_on_the_device_and_trains_as_on_the_cpu(tmp_path):
-    from tessera.cli.launch import free_port
-
-    spawn_with_retry(_worker, (2, free_port(), tmp_path), 2)
+    spawn_with_retry(_worker, (2, PORT, tmp_path), 2)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert sorted(results) == sorted(f"{i}|{s}|{m}" for i, (s, m, _) in enumerate(RUNS))

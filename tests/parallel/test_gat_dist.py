@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import spawn_with_retry
-from tessera.cli.launch import free_port
+from helpers import PORT, spawn_with_retry
 from tessera.datasets import load
 from tessera.train.config import TrainConfig
 from tessera.train.loop import Trainer
@@ -91,7 +90,7 @@ def _post_rows(graph, world, seed=0):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gat_partition_parallel_matches_single_process(world, datasets, single_process, tmp_path):
-    spawn_with_retry(_worker, args=(world, free_port(), datasets, str(tmp_path)), nprocs=world)
+    spawn_with_retry(_worker, args=(world, PORT, datasets, str(tmp_path)), nprocs=world)
     got = json.loads((tmp_path / "gat.json").read_text())
     for ds, _ in datasets:
         ref = single_process[ds]

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import spawn_with_retry
-from tessera.cli.launch import free_port
+from helpers import PORT, spawn_with_retry
 
 pytestmark = pytest.mark.distributed  # starts worker processes
 
@@ -133,9 +132,7 @@ RUNS = ((32, 1), (8, 3), (4, 1), (2, 3))  # every bit width, with and without pi
 @pytest.fixture(scope="module")
 def reports(planetoid_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    spawn_with_retry(
-        _worker, args=(4, free_port(), str(out), str(planetoid_root.parent), (free_port(), free_port())), nprocs=4
-    )
+    spawn_with_retry(_worker, args=(4, PORT, str(out), str(planetoid_root.parent), (PORT, PORT)), nprocs=4)
     return {w: [json.loads((out / f"p{w}-rank{r}.json").read_text()) for r in range(w)] for w in (2, 3, 4)}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import spawn_with_retry
+from helpers import PORT, spawn_with_retry
 
 pytestmark = pytest.mark.distributed  # starts worker processes
 
@@ -101,12 +101,10 @@ def _worker(rank, world, port, out_dir):
 
 
 def test_damaged_and_foreign_partition_and_plan_files_train_as_a_clean_cache(tmp_path):
-    from tessera.cli.launch import free_port
-
     before = os.environ["TESSERA_CACHE"]
     os.environ["TESSERA_CACHE"] = str(tmp_path / "cache")  # the ranks inherit it
     try:
-        spawn_with_retry(_worker, (2, free_port(), str(tmp_path)), 2)
+        spawn_with_retry(_worker, (2, PORT, str(tmp_path)), 2)
     finally:
         os.environ["TESSERA_CACHE"] = before
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]

@@ -145,18 +145,13 @@ def _epoch(out: Path) -> int | None:
     return load_checkpoint(path)["epoch"] if path.exists() else None
 
 
-def _ranks_env(world: int, port: int) -> list[dict[str, str]]:
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
-    return [{**base, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world)} for r in range(world)]
-
-
 def _distributed(argv: list[str], stage: str | None = None, at: int = 0, err=None, kill_after: float | None = None):
     """Two forked ranks; with a stage, rank 0 stops there (or, with ``kill_after``, both run on for
     that long after rank 0's ``at``-th save) and both are SIGKILLed. Returns the exit codes."""
-    from tessera.cli.launch import free_port
+    from helpers import store_socket_env
 
-    envs = _ranks_env(2, free_port())
-    procs = [_fork(argv, envs[0], stage, at, err), _fork(argv, envs[1])]
+    with store_socket_env(2) as envs:  # the forks inherit the store's socket; rank 0 serves it
+        procs = [_fork(argv, envs[0], stage, at, err), _fork(argv, envs[1])]
     if stage is not None or kill_after is not None:
         _events(procs[0][1], b"P" if stage else b"s", 1 if stage else at)
         time.sleep(kill_after or 0.0)
