@@ -1,7 +1,5 @@
 """``python -m tessera``."""
 
-import sys
+from tessera.cli.main import program
 
-from tessera.cli.main import main
-
-sys.exit(main())
+program()

@@ -1,5 +1,5 @@
 """The ``tessera`` command and its subcommands."""
 
-from tessera.cli.main import main
+from tessera.cli.main import main, program
 
-__all__ = ["main"]
+__all__ = ["main", "program"]

@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from tessera.cli.launch import PEER_FAILED
 from tessera.cli.watch import (
@@ -406,6 +407,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             if launcher_pid() is not None:  # a stopped worker: its files are complete; skip torch's slow exit
                 _exit_now(interrupt_status(e))
             return interrupt_status(e)
+
+
+def program() -> NoReturn:
+    """The ``tessera`` program (console script and ``python -m tessera``): :func:`main` in a process
+    of its own. A rank of a distributed job ends without the interpreter's teardown once main has
+    returned: its group is left and every file it wrote is complete, while the native teardown of
+    torch's and gloo's threads can still abort a finished rank ("terminate called without an
+    active exception") and turn a completed run into a failed one."""
+    status = main()
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        _exit_now(status)
+    sys.exit(status)
 
 
 def _exit_now(status: int) -> None:

@@ -43,3 +43,18 @@ def test_the_package_metadata_describes_the_project():
     # a licence is declared only with a licence file to back it
     has_file = any((REPO / name).exists() for name in ("LICENSE", "LICENSE.txt", "LICENSE.md", "COPYING"))
     assert ("license" in PROJECT) == has_file
+
+
+def test_the_program_skips_the_interpreter_teardown_only_in_a_rank_of_a_job():
+    # a finished rank's native teardown can abort it; the program leaves before it, with its status
+    # and its output flushed, while a single process ends normally (atexit handlers run)
+    code = (
+        "import atexit, sys; atexit.register(lambda: print('teardown', flush=True));"
+        "sys.argv = ['tessera', '--version']; import tessera.__main__"
+    )
+    for world, teardown in (("1", True), ("2", False)):
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "WORLD_SIZE": world}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("tessera ") and ("teardown" in r.stdout) == teardown, r.stdout
+    assert PROJECT["scripts"]["tessera"] == "tessera.cli:program"
