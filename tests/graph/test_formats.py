@@ -208,6 +208,62 @@ def test_npz_sparse_attrs_match_pyg(tmp_path):
     assert not torch.equal(g.train_mask, other.train_mask)
 
 
+@pytest.mark.parametrize("canonical", [True, False])
+def test_npz_features_equal_pygs_with_duplicates_and_negative_values(canonical, tmp_path):
+    # a stored entry may repeat (PyG sums them before it binarises) and values may be negative
+    n, y, adj, attr = _class_graph()
+    attr = attr.astype(np.float64)
+    attr.data[::4] *= -0.37
+    if not canonical:
+        attr = _with_duplicates(attr)
+        assert not attr.has_canonical_format
+    path = _write_npz(tmp_path / "dup.npz", adj, attr, labels=y)
+    want = torch.from_numpy(attr.toarray()).to(torch.float)  # PyG's parse_npz: todense, float, x[x > 0] = 1
+    want[want > 0] = 1
+    assert torch.equal(load_npz(path).x, want)
+    pyg_npz = pytest.importorskip("torch_geometric.io.npz")
+    assert torch.equal(load_npz(path).x, pyg_npz.read_npz(str(path)).x)
+
+
+def _with_duplicates(m):
+    """``m`` with each row's first stored entry stored twice more: once as is, once negated."""
+    data, indices, indptr = [], [], [0]
+    for r in range(m.shape[0]):
+        lo, hi = m.indptr[r], m.indptr[r + 1]
+        d, i = list(m.data[lo:hi]), list(m.indices[lo:hi])
+        if hi > lo:
+            d += [m.data[lo], -2 * m.data[lo]]
+            i += [m.indices[lo], m.indices[lo]]
+        data += d
+        indices += i
+        indptr.append(len(data))
+    out = sp.csr_matrix((np.array(data), np.array(indices, dtype=np.int32), np.array(indptr)), shape=m.shape)
+    out.has_canonical_format = False
+    return out
+
+
+def test_npz_features_are_written_once_in_float32(tmp_path):
+    # the loader's peak is the stored CSR arrays plus the float32 matrix: no float64 or converted
+    # copy of the dense matrix and no dense mask beside it (numpy reports to tracemalloc)
+    import tracemalloc
+
+    n, f = 3000, 400
+    rng = np.random.default_rng(0)
+    attr = sp.random(n, f, density=0.3, format="csr", random_state=1, dtype=np.float32)
+    attr.data -= 0.5
+    adj = sp.csr_matrix((np.ones(n, np.float32), (np.arange(n), (np.arange(n) + 1) % n)), shape=(n, n))
+    path = _write_npz(tmp_path / "wide.npz", adj, attr, labels=rng.integers(0, 3, n))
+    stored = attr.data.nbytes + attr.indices.nbytes + attr.indptr.nbytes
+    tracemalloc.start()
+    try:
+        x = load_npz(path).x
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert x.dtype == torch.float32 and x.shape == (n, f)
+    assert peak < stored + n * f * 4 + 1_000_000, (peak, stored, n * f * 4)
+
+
 def test_npz_dense_attrs_directed_and_stored_split(tmp_path):
     n, y, adj, attr = _class_graph()
     dense = attr.toarray() * 0.5

@@ -78,15 +78,30 @@ def edges_to_graph(
     if drop_self_loops:
         keep = src != dst
         src, dst = src[keep], dst[keep]
+        del keep
+    # One int64 key per edge, destination-major, is the whole working set: sorted in place, made
+    # unique by one mask, its row pointer found by binary search and its remainder taken in place
+    # (a graph file's edges, three copies of them at most, never src/dst/key/row/column side by side).
+    m = max(n, 1)
+    e = src.size
+    key = np.empty(2 * e if undirected else e, dtype=np.int64)
+    np.multiply(dst, m, out=key[:e])
+    key[:e] += src
     if undirected:
-        src, dst = np.concatenate([src, dst]), np.concatenate([dst, src])
-    # One sort of the destination-major key gives the CSR directly (and dedups when asked).
-    key = torch.from_numpy(dst * max(n, 1) + src)
-    key = torch.unique(key, sorted=True) if (coalesce or undirected) else torch.sort(key).values
-    d = key // max(n, 1)
-    indptr = torch.zeros(n + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(torch.bincount(d, minlength=n), 0)
-    return Graph.from_csr(indptr, key - d * max(n, 1), n, **node_data)
+        np.multiply(src, m, out=key[e:])
+        key[e:] += dst
+    del src, dst
+    key.sort()
+    if (coalesce or undirected) and key.size > 1:
+        fresh = np.empty(key.size, dtype=bool)
+        fresh[0] = True
+        np.not_equal(key[1:], key[:-1], out=fresh[1:])
+        if not fresh.all():
+            key = key[fresh]
+        del fresh
+    indptr = np.searchsorted(key, np.arange(n + 1, dtype=np.int64) * m)
+    np.remainder(key, m, out=key)
+    return Graph.from_csr(torch.from_numpy(indptr), torch.from_numpy(key), n, **node_data)
 
 
 def labels_from_array(arr: np.ndarray, source: str) -> np.ndarray:

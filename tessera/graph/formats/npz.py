@@ -88,15 +88,25 @@ def _features(f: Any, path: Path, n: int) -> np.ndarray | None:
         data, indices, indptr, shape = _csr(f, "attr", path)
         if data.dtype.kind not in "biuf":
             raise DatasetError(f"{path}: attr_data is a {data.dtype} array, expected numbers")
-        dense = shape[0] * shape[1] * (data.dtype.itemsize + 4)
-        require_memory(dense, f"the dense {shape[0]:,} x {shape[1]:,} feature matrix (attr_shape)", str(path))
-        x = sp.csr_matrix((data, indices, indptr), shape=shape).toarray().astype(np.float32)
-        x[x > 0] = 1  # PyG's parse_npz binarises bag-of-words counts
+        require_memory(
+            shape[0] * shape[1] * 4, f"the dense {shape[0]:,} x {shape[1]:,} feature matrix (attr_shape)", str(path)
+        )
+        m = sp.csr_matrix((data, indices, indptr), shape=shape)
+        del data, indices, indptr
+        if m.has_canonical_format:  # no duplicate entries: each dense value is one stored value
+            # PyG's parse_npz binarises bag-of-words counts (x[x > 0] = 1): done on the stored
+            # values, so the dense matrix is written once, in float32, with no mask beside it
+            m.data = m.data.astype(np.float32, copy=False)  # the file's array: ours to change
+            m.data[m.data > 0] = 1
+            x = m.toarray()
+        else:  # duplicates add up first, in the file's own precision, as PyG's todense does
+            x = m.toarray().astype(np.float32, copy=False)
+            x[x > 0] = 1
     elif "attr_matrix" in f.files:
         x = _get(f, "attr_matrix", path)
         if x.ndim != 2 or x.dtype.kind not in "biuf":
             raise DatasetError(f"{path}: attr_matrix is a {x.dtype} array of shape {x.shape}, expected numeric 2-D")
-        x = x.astype(np.float32)
+        x = x.astype(np.float32, copy=False)
     else:
         return None
     if x.shape[0] != n:
