@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from tessera.sparse.saving import recomputed_step
+
 T = TypeVar("T")
 
 
@@ -78,5 +80,5 @@ def recompute(fn: Callable[..., T], *args: Any) -> T:
     if not torch.is_grad_enabled():
         return fn(*args)
     saved = _Saved(fn, args, torch.get_rng_state())
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), recomputed_step():
         return fn(*args)

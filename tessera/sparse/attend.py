@@ -22,6 +22,7 @@ from tessera.kernels.placement import host_kernels
 from tessera.sparse.aggregate import aggregate
 from tessera.sparse.attention_kernels import check_terms, gat_attention, gat_attention_backward, gat_attention_forward
 from tessera.sparse.operand import Operand
+from tessera.sparse.saving import recomputed
 
 
 class _Attend(torch.autograd.Function):
@@ -31,8 +32,9 @@ class _Attend(torch.autograd.Function):
         w = alpha if drop is None else seeded_dropout(alpha, *drop)
         out = a.spmm(h, w)
         ctx.a, ctx.edges, ctx.slope, ctx.drop = a, edges, slope, drop
-        # the dropped weights as an attribute, not a saved tensor, so backward can free them early
-        ctx.dropped = None if drop is None else w
+        # the dropped weights as an attribute, not a saved tensor, so backward can free them early;
+        # none in a recomputed step (lean), whose backward draws them again from alpha
+        ctx.dropped = None if drop is None or recomputed() else w
         ctx.save_for_backward(a_src, a_dst, h, alpha)
         return out
 

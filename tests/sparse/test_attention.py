@@ -182,6 +182,32 @@ def test_attend_backward_twice_through_a_retained_graph():
         assert torch.equal(a, b)
 
 
+def test_a_recomputed_attend_keeps_no_dropped_weights_beside_its_saved_tensors():
+    """Under ``--memory lean`` (``recompute``) the node holds no E x heads dropped weights from
+    forward to backward; its backward draws them again: the same output and gradients."""
+    from tessera.nn.recompute import recompute
+
+    g = awkward_graph()
+    gen = torch.Generator().manual_seed(5)
+    a_src, a_dst = (torch.randn(g.num_nodes, 2, generator=gen).requires_grad_() for _ in range(2))
+    h = torch.randn(g.num_nodes, 2, 3, generator=gen).requires_grad_()
+    keys = sparse.edge_keys(g, torch.arange(g.num_nodes), torch.arange(g.num_nodes))
+    operand = sparse.as_operand(g, "csr")
+
+    def step(a_src, a_dst, h):
+        return sparse.attend(operand, g, a_src, a_dst, h, 0.2, 0.5, keys)
+
+    torch.manual_seed(0)
+    fast = step(a_src, a_dst, h)
+    torch.manual_seed(0)
+    lean = recompute(step, a_src, a_dst, h)
+    assert isinstance(fast.grad_fn.dropped, torch.Tensor) and lean.grad_fn.dropped is None
+    assert torch.equal(fast, lean)
+    go = torch.randn(fast.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(fast, (a_src, a_dst, h), go), torch.autograd.grad(lean, (a_src, a_dst, h), go)):
+        assert torch.equal(a, b)
+
+
 def test_attend_refuses_features_of_another_graph():
     g = awkward_graph()
     terms = torch.zeros(g.num_nodes, 2)
