@@ -17,11 +17,13 @@ if TYPE_CHECKING:
 
 DESCRIPTION = """\
 Plan a model's layers for P ranks as `tessera train --strategy auto` does: model every candidate
-(partition post/pre/prepost at each --comm-bits, tensor; each in every operation placement the layer
-can run) from FLOPs at measured rates plus SuperGCN's communication model over the exact blocks, keep
-those within --prune of each layer's modelled best, measure a few forward + backward steps of each on
-P local processes, and print both times and the choice. --model-only skips the processes (the link
-constants then come from --bandwidth-gbps / --latency-us)."""
+(partition post/pre/prepost at each --comm-bits, hybrid:M, tensor; each in every operation placement
+the layer can run) from FLOPs at measured rates plus SuperGCN's communication model over the exact
+blocks plus NeutronAscend Algorithm 1's padding idle and cache-reuse saving (from the measured cache
+and main-memory bandwidths), keep those within --prune of each layer's modelled best, measure a few
+forward + backward steps of each on P local processes, and print both times, the choice, and each
+candidate's Algorithm 1 terms (M, S, pad, G, r, T_comp, T_mem, T_idle, T_saved). --model-only skips
+the processes (the link constants then come from --bandwidth-gbps / --latency-us)."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

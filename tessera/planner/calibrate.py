@@ -6,8 +6,14 @@ transposed products at two widths on this rank's share of the graph's rows, by d
 narrowest and widest the model aggregates at), the dense transform's FLOP rate, the cost of
 writing one value of a freshly allocated tensor (under glibc's allocator a large block comes
 back from the OS on every allocation, so its first write page-faults and costs several times an
-in-place write: docs/design/planner-calibration.md), and the latency and
-bandwidth of an ``all_to_all`` among the ranks (SuperGCN Eq. 2's ``L`` and ``BW``).
+in-place write: docs/design/planner-calibration.md), the latency and
+bandwidth of an ``all_to_all`` among the ranks (SuperGCN Eq. 2's ``L`` and ``BW``), and the
+streaming-read bandwidth of the last-level cache and of main memory (NeutronAscend Alg. 1's
+fast and slow memory, whose ratio is its ``r``): a sum over a buffer that fits the rank's share of
+the cache, read repeatedly, against one over a buffer four times the cache. On CPU ranks the
+cache is the largest data cache ``/sys/devices/system/cpu/cpu0/cache`` lists, and the ranks on one
+host share it; on a CUDA device it is the device's L2 (against HBM; that path is untested). Where
+the size cannot be read, both bandwidths are 0 and ``r`` is 1: no reuse is modelled.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,8 +42,9 @@ _REPS = 2
 
 @dataclass(frozen=True)
 class Rates(Record):
-    """Seconds per aggregated edge and per edge-value, dense FLOP/s, the link model, and seconds
-    per value written into a fresh tensor."""
+    """Seconds per aggregated edge and per edge-value, dense FLOP/s, the link model, seconds per
+    value written into a fresh tensor, and the streaming-read bandwidths (GB/s) of the
+    last-level cache and of main memory (0: not measured)."""
 
     edge_s: float
     value_s: float
@@ -44,6 +52,8 @@ class Rates(Record):
     bandwidth_gbps: float
     latency_us: float
     fresh_value_s: float = 0.0
+    cache_gbps: float = 0.0
+    dram_gbps: float = 0.0
 
     def comm(self) -> CommModel:
         """SuperGCN's model with this link."""
@@ -52,6 +62,18 @@ class Rates(Record):
     def aggregate_s(self, edges: float, width: int) -> float:
         """Seconds to aggregate ``edges`` edges at ``width``."""
         return edges * (self.edge_s + self.value_s * width)
+
+    @property
+    def cache_ratio(self) -> float:
+        """Algorithm 1's ``r``: the cache's bandwidth over main memory's (1 when not measured)."""
+        if not (self.cache_gbps > 0 and self.dram_gbps > 0):
+            return 1.0
+        # a cache read slower than main memory is a measurement disturbed by other work: no reuse
+        return max(self.cache_gbps / self.dram_gbps, 1.0)
+
+    def memory_read_s(self, nbytes: float) -> float:
+        """Seconds to stream ``nbytes`` from main memory (0 when not measured)."""
+        return nbytes / (self.dram_gbps * 1e9) if self.dram_gbps > 0 else 0.0
 
 
 def _best(fn: Callable[[], object], comm: Comm | None = None) -> float:
@@ -118,6 +140,65 @@ def measure_compute(
     return edge_s, value_s, gemm, fresh
 
 
+_CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def last_level_cache_bytes(device: torch.device | None = None) -> int:
+    """Bytes of the last-level cache ranks on ``device`` read through: a CUDA device's L2, else
+    the highest-level data or unified cache of CPU 0 in sysfs (0 when it cannot be read)."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size)
+    best_level, size = -1, 0
+    try:
+        for entry in _CPU_CACHES.glob("index*"):
+            if (entry / "type").read_text().strip() not in ("Data", "Unified"):
+                continue
+            level, text = int((entry / "level").read_text()), (entry / "size").read_text().strip()
+            scale = _SIZE_UNITS.get(text[-1:], 1)
+            value = int(text[:-1] if text[-1:] in _SIZE_UNITS else text) * scale
+            if level > best_level:
+                best_level, size = level, value
+    except (OSError, ValueError):
+        return 0
+    return size
+
+
+def measure_memory(
+    comm: Comm | None = None, sharing: int = 1, device: torch.device | None = None
+) -> tuple[float, float]:
+    """``(cache GB/s, main memory GB/s)`` of streaming reads on this rank (the slowest rank's,
+    all ranks of ``comm`` measuring at once): a sum over a buffer of a quarter of the cache's
+    share of each of ``sharing`` ranks, read until it has moved as many bytes as one sum over a
+    buffer four times the cache (at most 128 MiB, at least twice the cache), on this rank's
+    threads. ``(0, 0)`` when the cache's size is
+    unknown."""
+    llc = last_level_cache_bytes(device)
+    if llc <= 0:
+        return 0.0, 0.0
+    dev = device or torch.device("cpu")
+    small_n = max(llc // (4 * max(sharing, 1)) // 4, 1024)
+    # four times the cache (at least twice it, at most 128 MiB): a transient allocation at set-up
+    large_n = max(2 * llc, min(4 * llc, 1 << 27)) // 4
+    reps = max(large_n // small_n, 1)
+    # one reduction over a stride-0 view reads the small buffer ``reps`` times without a call per read
+    small = torch.full((small_n,), 0.5, device=dev).expand(reps, small_n)
+    large = torch.full((large_n,), 0.5, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def read_small() -> None:
+        small.sum()
+        sync()
+
+    def read_large() -> None:
+        large.sum()
+        sync()
+
+    cache = 4.0 * small_n * reps / _best(read_small, comm)
+    dram = 4.0 * large_n / _best(read_large, comm)
+    return cache / 1e9, dram / 1e9
+
+
 def measure_link(comm: Comm, values: int = 1 << 20) -> tuple[float, float]:
     """``(bandwidth GB/s, latency us)`` of an ``all_to_all`` among the ranks: a one-value message
     per peer gives the latency, ``values`` fp32 values per peer the bandwidth."""
@@ -144,14 +225,16 @@ def calibrate(graph: Graph, comm: Comm, backend: str = "auto", widths: tuple[int
     aggregation's at ``widths``."""
     edge_s, value_s, gemm, fresh = measure_compute(graph, comm.rank, comm.world, backend, comm, widths)
     bw, lat = measure_link(comm)
-    return Rates(edge_s, value_s, gemm, bw, lat, fresh)
+    cache, dram = measure_memory(comm, comm.world, comm.device)  # as if all ranks shared one host's cache
+    return Rates(edge_s, value_s, gemm, bw, lat, fresh, cache, dram)
 
 
 def local_rates(
     graph: Graph, world: int, link: CommModel, backend: str = "auto", widths: tuple[int, int] = _WIDTHS
 ) -> Rates:
     """:class:`Rates` without other processes (``tessera plan --model-only``, the simulator): the
-    compute constants timed here on rank 0's share of ``graph`` for ``world`` ranks, the link's
-    from ``link``."""
+    compute and memory constants timed here on rank 0's share of ``graph`` for ``world`` ranks
+    (the cache's share of one of ``world`` ranks), the link's from ``link``."""
     edge_s, value_s, gemm, fresh = measure_compute(graph, 0, world, backend, widths=widths)
-    return Rates(edge_s, value_s, gemm, link.bandwidth_gbps, link.latency_us, fresh)
+    cache, dram = measure_memory(sharing=world)
+    return Rates(edge_s, value_s, gemm, link.bandwidth_gbps, link.latency_us, fresh, cache, dram)

@@ -23,6 +23,22 @@ A kind (:class:`CandidateKind`) lists its choices for a layer and models the las
 group, over its M members' rows in rank order: the tensor kind's blocks) plus the column groups'
 halo exchange and aggregation over the G-way split (the partition kind's, at the widest column
 slice D / M): the blocks ``hybrid_volumes`` counts.
+
+Two more terms are NeutronAscend's Algorithm 1 (§5.3), charged to every candidate as the ``M`` it
+is (partition M = 1, hybrid M, tensor M = P; G = P / M ranks per column group, each aggregating a
+slice of width S, the widest of ``column_bounds(D, M)``), per aggregation pass:
+
+    idle        T_idle = pad / S * T_comp, ``pad`` the columns that fill S up to whole 16-lane
+                (AVX-512 fp32) vectors and T_comp = edges x S x the measured per-value rate: the
+                padded columns at the rate real ones cost;
+    saved       T_saved = T_mem (1 - 1 / (1 + (G - 1)(r - 1))), T_mem the slice's gathered rows
+                and written rows (edges + rows) x S x 4 bytes at the measured main-memory
+                bandwidth, at most the slice's aggregation time, and ``r`` the measured cache /
+                main-memory bandwidth ratio (calibrate.py). It is subtracted from the total.
+
+The saving is the paper's model of G cores sharing one slice through a cache; tessera's CPU ranks
+are processes holding their own copies, so on them it is a modelled preference for larger G that
+the measured steps of the surviving candidates check.
 """
 
 from __future__ import annotations
@@ -41,7 +57,7 @@ from tessera.parallel.hybrid import hybrid_layout
 from tessera.parallel.mixed import LayerChoice
 from tessera.parallel.tensor import column_bounds
 from tessera.planner.calibrate import Rates
-from tessera.planner.grouping import all_to_all_time, all_to_all_times
+from tessera.planner.grouping import Algorithm1Terms, all_to_all_time, all_to_all_times
 from tessera.planner.model import exchange_time
 from tessera.planner.records import Record
 from tessera.planner.volume.common import row_width
@@ -98,43 +114,49 @@ class Context:
 
 
 class KindCost(NamedTuple):
-    """The terms of a candidate's modelled step time its kind decides (seconds)."""
+    """The terms of a candidate's modelled step time its kind decides (seconds), and its
+    Algorithm 1 terms (None: the kind has none)."""
 
     aggregate: float
     comm: float
+    alg1: Algorithm1Terms | None = None
 
 
 @dataclass(frozen=True)
 class Costs(Record):
     """A candidate's modelled step time of one layer, by term: the dense transform, the
-    aggregation, the communication and the writes into fresh tensors (in the unit its holder
-    names)."""
+    aggregation, the communication, the writes into fresh tensors, Algorithm 1's padding idle
+    and its cache-reuse saving, which the total subtracts (in the unit its holder names)."""
 
     dense: float
     aggregate: float
     comm: float
     memory: float = 0.0
+    idle: float = 0.0
+    saved: float = 0.0
 
     @property
     def total(self) -> float:
-        """The sum of the terms."""
-        return self.dense + self.aggregate + self.comm + self.memory
+        """The sum of the terms, less the saving."""
+        return self.dense + self.aggregate + self.comm + self.memory + self.idle - self.saved
 
     def scaled(self, factor: float) -> Costs:
         """Every term times ``factor`` (a change of unit)."""
-        return Costs(factor * self.dense, factor * self.aggregate, factor * self.comm, factor * self.memory)
+        f = factor
+        return Costs(f * self.dense, f * self.aggregate, f * self.comm, f * self.memory, f * self.idle, f * self.saved)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Costs:
         """The inverse of :meth:`to_dict`."""
-        return cls(float(d["dense"]), float(d["aggregate"]), float(d["comm"]), float(d.get("memory", 0.0)))
+        extra = (float(d.get(k, 0.0)) for k in ("memory", "idle", "saved"))
+        return cls(float(d["dense"]), float(d["aggregate"]), float(d["comm"]), *extra)
 
 
 @dataclass(frozen=True)
 class Candidate:
     """One candidate of one layer: its choice and ``--strategy`` entry (``label``), its kind, the
-    width it aggregates at, whether it has a backward pass through the aggregation, and its
-    modelled terms and total (seconds)."""
+    width it aggregates at, whether it has a backward pass through the aggregation, its
+    modelled terms and total, and its Algorithm 1 terms (seconds)."""
 
     choice: LayerChoice
     label: str
@@ -143,6 +165,7 @@ class Candidate:
     backward: bool
     model_s: Costs
     modelled_s: float
+    alg1: Algorithm1Terms | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +188,18 @@ def register_kind(kind: CandidateKind) -> CandidateKind:
     """Make ``kind``'s candidates part of every plan."""
     KINDS[kind.name] = kind
     return kind
+
+
+# ---------------------------------------------------------------------------------------- Algorithm 1
+def algorithm1_terms(ctx: Context, groups: int, edges: float, rows: float, width: int, passes: int) -> Algorithm1Terms:
+    """Algorithm 1's terms (seconds) of ``groups`` column groups of ``world / groups`` ranks at
+    ``width``, for the rank that aggregates ``edges`` edges into ``rows`` rows at the widest
+    slice, over ``passes`` aggregation passes (see the module docstring)."""
+    s = int(np.diff(column_bounds(width, groups)).max())
+    rates = ctx.rates
+    comp = passes * edges * s * rates.value_s
+    mem = min(passes * rates.memory_read_s(4.0 * s * (edges + rows)), passes * rates.aggregate_s(edges, s))
+    return Algorithm1Terms.of(groups, s, ctx.world // groups, rates.cache_ratio, comp, mem)
 
 
 # ---------------------------------------------------------------------------------------- partition
@@ -190,7 +225,10 @@ def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward
     comm = exchange_time(rows, sent, o.comm_bits, m).time_s
     if backward:
         comm += exchange_time(rows.T, sent, o.comm_bits, m).time_s
-    return KindCost(passes * ctx.rates.aggregate_s(partition_work(ctx, o.remote_agg).max(), w), comm)
+    work = partition_work(ctx, o.remote_agg)
+    busiest = int(np.argmax(work))
+    alg1 = algorithm1_terms(ctx, 1, work[busiest], ctx.counts[busiest], w, passes)
+    return KindCost(passes * ctx.rates.aggregate_s(work[busiest], w), comm, alg1)
 
 
 # ---------------------------------------------------------------------------------------- tensor
@@ -203,7 +241,8 @@ def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
     w, passes = spec.aggregate_width, 1 + backward
     widest = -(-w // ctx.world)
     comm = all_to_all_time(ctx.counts, w, o.comm_bits, ctx.rates.comm(), o.pipeline_stages)
-    return KindCost(passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest), passes * comm)
+    alg1 = algorithm1_terms(ctx, ctx.world, ctx.graph.num_edges, ctx.graph.num_nodes, w, passes)
+    return KindCost(passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest), passes * comm, alg1)
 
 
 # ---------------------------------------------------------------------------------------- hybrid
@@ -234,8 +273,10 @@ def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
         per = [all_to_all_times(list(c), w, o.comm_bits, m, o.pipeline_stages) for c in groups]
         ctx._memo[key] = float(np.max(per, axis=0).sum())  # each all-to-all of all row groups at once
     a2a = ctx._memo[key]
-    work = partition_work(sub, o.remote_agg).max()
-    return KindCost(passes * ctx.rates.aggregate_s(work, widest), halo + passes * a2a)
+    work = partition_work(sub, o.remote_agg)
+    busiest = int(np.argmax(work))
+    alg1 = algorithm1_terms(ctx, o.groups, work[busiest], sub.counts[busiest], w, passes)
+    return KindCost(passes * ctx.rates.aggregate_s(work[busiest], widest), halo + passes * a2a, alg1)
 
 
 register_kind(CandidateKind("partition", _partition_choices, _partition_cost))
@@ -273,9 +314,12 @@ def layer_candidates(ctx: Context, specs: dict[bool, LayerSpec], natural: bool, 
                     choice = LayerChoice(choice.strategy, choice.overrides, first)
                 dense = dense_s(ctx, spec, input_grad)
                 own = kind.cost(ctx, choice, spec, backward)
-                terms = Costs(dense, own.aggregate, own.comm, memory_s(ctx, spec, backward, input_grad))
+                idle, saved = (own.alg1.idle, own.alg1.saved) if own.alg1 is not None else (0.0, 0.0)
+                memory = memory_s(ctx, spec, backward, input_grad)
+                terms = Costs(dense, own.aggregate, own.comm, memory, idle, saved)
                 label = choice.label(ctx.options)
-                out.append(Candidate(choice, label, kind.name, spec.aggregate_width, backward, terms, terms.total))
+                width = spec.aggregate_width
+                out.append(Candidate(choice, label, kind.name, width, backward, terms, terms.total, own.alg1))
     return sorted(out, key=lambda c: c.modelled_s)
 
 

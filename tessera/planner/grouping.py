@@ -14,12 +14,16 @@ the row <-> column all-to-all among the M ranks of a row group): per M, padding 
 lanes of an AVX-512 register) + load imbalance (the G-way partition's in-edge balance) + halo
 time (SuperGCN Eq. 2 over the exact pair rows) + all-to-all time, for M whose per-rank feature
 memory fits ``memory_limit``.
+
+:func:`idle_time` and :func:`saved_time` are Algorithm 1's two terms; the planner's candidates
+charge them (:class:`Algorithm1Terms`) with ``T_comp``, ``T_mem`` and ``r`` from measured rates
+(:mod:`tessera.planner.candidates`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -78,6 +82,44 @@ def padding(s: float, lanes: int = LANES) -> float:
     return (lanes - (s % lanes)) % lanes
 
 
+def idle_time(s: float, t_comp: float, lanes: int = LANES) -> float:
+    """``T_idle = pad / S * T_comp``: the compute a slice of width ``S`` spends on padded lanes."""
+    return padding(s, lanes) / s * t_comp if s > 0 else 0.0
+
+
+def saved_time(g: float, r: float, t_mem: float) -> float:
+    """``T_saved = T_mem (1 - 1 / (1 + (G - 1)(r - 1)))``: memory time ``G`` sharers of one slice
+    save at fast/slow bandwidth ratio ``r``."""
+    return t_mem * (1 - 1 / (1 + (g - 1) * (r - 1)))
+
+
+@dataclass(frozen=True)
+class Algorithm1Terms(Record):
+    """Algorithm 1's terms of one candidate: ``M`` column groups, the widest slice ``S``, its
+    padding, ``G`` ranks per group, the ratio ``r``, ``T_comp``, ``T_mem``, ``T_idle`` and
+    ``T_saved`` (the times in the unit their holder names)."""
+
+    M: int
+    S: int
+    pad: int
+    G: int
+    r: float
+    comp: float
+    mem: float
+    idle: float
+    saved: float
+
+    @classmethod
+    def of(cls, m: int, s: int, g: int, r: float, t_comp: float, t_mem: float) -> Algorithm1Terms:
+        """The terms of ``M`` = ``m`` groups of ``g`` at slice width ``s``, from ``T_comp`` and ``T_mem``."""
+        return cls(m, s, int(padding(s)), g, r, t_comp, t_mem, idle_time(s, t_comp), saved_time(g, r, t_mem))
+
+    def scaled(self, factor: float) -> Algorithm1Terms:
+        """The times times ``factor`` (a change of unit)."""
+        f = factor
+        return replace(self, comp=f * self.comp, mem=f * self.mem, idle=f * self.idle, saved=f * self.saved)
+
+
 def algorithm1(n: int, d: int, r: float, t_comp: Estimate, t_mem: Estimate) -> tuple[int, list[Algorithm1Row]]:
     """Algorithm 1: ``(M*, rows)`` for ``n`` cores, feature width ``d``, fast/slow memory bandwidth
     ratio ``r`` and the estimates ``t_comp``, ``t_mem`` (numbers, or functions of M); ``rows`` hold
@@ -88,9 +130,9 @@ def algorithm1(n: int, d: int, r: float, t_comp: Estimate, t_mem: Estimate) -> t
         tm = t_mem(m) if callable(t_mem) else t_mem
         s = d / m
         pad = padding(s)
-        t_idle = pad / s * tc
+        t_idle = idle_time(s, tc)
         g = n / m
-        t_saved = tm * (1 - 1 / (1 + (g - 1) * (r - 1)))
+        t_saved = saved_time(g, r, tm)
         cost = t_idle - t_saved
         rows.append(Algorithm1Row(m, s, pad, g, t_idle, t_saved, cost))
         if cost < min_cost:

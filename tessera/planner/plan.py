@@ -36,10 +36,11 @@ from tessera.parallel.base import StrategyOptions, row_split
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_entry
 from tessera.planner.calibrate import Rates, calibrate
 from tessera.planner.candidates import Candidate, Context, Costs, layer_candidates, prune
+from tessera.planner.grouping import Algorithm1Terms
 from tessera.planner.records import Record, optional
 from tessera.sparse import LayerSpec, Operand
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 PRUNE_FACTOR = 1.5
 # Timed steps per measured candidate (the least counts), after an untimed one. The step after the
 # untimed one still pays for memory touched for the first time, unequally across candidates: timed
@@ -65,7 +66,7 @@ class LayerProbe:
 class CandidateRow(Record):
     """A candidate as a plan records it: its ``--strategy`` entry, kind, aggregated width and
     backward pass, its modelled terms and total and its measured step (milliseconds; None:
-    not measured), and whether it survived pruning."""
+    not measured), whether it survived pruning, and its Algorithm 1 terms (milliseconds)."""
 
     label: str
     kind: str
@@ -75,6 +76,7 @@ class CandidateRow(Record):
     modelled_ms: float
     measured_ms: float | None = None
     survived: bool = False
+    alg1: Algorithm1Terms | None = optional()
 
     @classmethod
     def of(cls, c: Candidate, survived: bool) -> CandidateRow:
@@ -87,6 +89,7 @@ class CandidateRow(Record):
             model_ms=c.model_s.scaled(1e3),
             modelled_ms=1e3 * c.modelled_s,
             survived=survived,
+            alg1=None if c.alg1 is None else c.alg1.scaled(1e3),
         )
 
     @classmethod
@@ -101,6 +104,7 @@ class CandidateRow(Record):
             modelled_ms=d["modelled_ms"],
             measured_ms=d["measured_ms"],
             survived=d["survived"],
+            alg1=None if d.get("alg1") is None else Algorithm1Terms(**d["alg1"]),
         )
 
 

@@ -20,7 +20,7 @@ from tessera.planner.volume.tensor import TensorVolumes
 
 if TYPE_CHECKING:
     from tessera.planner.optimum import ChoiceCheck
-    from tessera.planner.plan import Plan
+    from tessera.planner.plan import LayerPlan, Plan
 
 MB = 1e6
 
@@ -317,7 +317,9 @@ def _ms(v: float | None) -> str:
 
 def format_plan(rec: Plan, title: str = "") -> str:
     """Each layer's candidates of a plan with its layers and constants (``tessera.planner.plan``):
-    modelled terms and total, measured time and its ratio to the model, and the choice."""
+    modelled terms (Algorithm 1's padding idle and cache-reuse saving among them) and total,
+    measured time and its ratio to the model, and the choice; then each candidate's Algorithm 1
+    terms (M, S, pad, G, r, T_comp, T_mem, T_idle, T_saved)."""
     r = rec.rates
     if r is None or rec.layers is None:
         raise ValueError("format_plan needs a plan with its layers and constants")
@@ -327,10 +329,11 @@ def format_plan(rec: Plan, title: str = "") -> str:
         f"constants: aggregation {r.edge_s * 1e9:.2f} ns/edge + {r.value_s * 1e9:.3f} ns/value, "
         f"GEMM {r.gemm_flops / 1e9:.1f} GFLOP/s, fresh writes {r.fresh_value_s * 1e9:.2f} ns/value, "
         f"link {r.bandwidth_gbps:.2f} GB/s, latency {r.latency_us:.1f} us",
+        f"memory: cache {r.cache_gbps:.1f} GB/s, main {r.dram_gbps:.1f} GB/s, r = {r.cache_ratio:.2f}",
     ]
     head = (
         f"{'layer':>5}  {'candidate':<40} {'width':>5} {'bwd':>3} {'dense':>8} {'aggr':>8} {'comm':>8} {'memory':>8} "
-        f"{'model ms':>9} {'measured':>9} {'meas/mod':>8}"
+        f"{'idle':>8} {'saved':>8} {'model ms':>9} {'measured':>9} {'meas/mod':>8}"
     )
     lines += [head, "-" * len(head)]
     for la in rec.layers:
@@ -340,9 +343,31 @@ def format_plan(rec: Plan, title: str = "") -> str:
             ratio = c.measured_ms / c.modelled_ms if c.measured_ms and c.modelled_ms else None
             lines.append(
                 f"{la.layer:>5} {mark}{c.label:<40} {c.width:>5} {'y' if c.backward else 'n':>3} "
-                f"{m.dense:>8.2f} {m.aggregate:>8.2f} {m.comm:>8.2f} {m.memory:>8.2f} {c.modelled_ms:>9.2f} "
-                f"{_ms(c.measured_ms):>9} {_fmt_x(ratio):>8}"
+                f"{m.dense:>8.2f} {m.aggregate:>8.2f} {m.comm:>8.2f} {m.memory:>8.2f} {m.idle:>8.2f} "
+                f"{-m.saved:>8.2f} {c.modelled_ms:>9.2f} {_ms(c.measured_ms):>9} {_fmt_x(ratio):>8}"
             )
     lines.append("* the choice; - pruned by the model (not measured); times per training step of the layer")
+    lines += _algorithm1_lines(rec.layers)
     lines.append(f"--strategy {','.join(rec.choices)}")
     return "\n".join(lines)
+
+
+def _algorithm1_lines(layers: tuple[LayerPlan, ...]) -> list[str]:
+    """The Algorithm 1 table of :func:`format_plan` (nothing when no candidate has its terms)."""
+    rows = [(la.layer, c) for la in layers for c in la.candidates if c.alg1 is not None]
+    if not rows:
+        return []
+    head = (
+        f"{'layer':>5}  {'candidate':<40} {'M':>3} {'S':>5} {'pad':>3} {'G':>3} {'r':>6} "
+        f"{'T_comp':>8} {'T_mem':>8} {'T_idle':>8} {'T_saved':>8} {'idle-saved':>10}"
+    )
+    out = ["NeutronAscend Algorithm 1 terms (ms; T_idle = pad/S T_comp, T_saved = T_mem (1 - 1/(1+(G-1)(r-1))))"]
+    out += [head, "-" * len(head)]
+    for layer, c in rows:
+        a = c.alg1
+        assert a is not None
+        out.append(
+            f"{layer:>5}  {c.label:<40} {a.M:>3} {a.S:>5} {a.pad:>3} {a.G:>3} {a.r:>6.2f} "
+            f"{a.comp:>8.3f} {a.mem:>8.3f} {a.idle:>8.3f} {a.saved:>8.3f} {a.idle - a.saved:>10.3f}"
+        )
+    return out
