@@ -26,11 +26,13 @@ pytestmark = pytest.mark.distributed  # starts worker processes
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 20  # --timeout of the runs: a worker may outlive its launcher by at most this + 5 s
-EPOCHS = 120  # more than twenty stops can let a loaded machine train between them
+EPOCHS = 120  # more than the stops can let a loaded machine train between them
 RUN = ["train", "--dataset", "synthetic:tiny", "--nprocs", "2", "--strategy", "partition", "--hidden", "16"]
 RUN += ["--epochs", str(EPOCHS), "--patience", "0", "--checkpoint-every", "1", "--timeout", str(TIMEOUT)]
 RUN += ["--no-progress"]
-STOPS = 20  # SIGTERMs, each at a seeded random moment
+# SIGTERMs, each at a seeded random moment: 10 in the suite (each starts two workers, seconds of
+# imports apiece); TESSERA_LAUNCHER_STOPS=20 (or more) runs the longer campaign
+STOPS = int(os.environ.get("TESSERA_LAUNCHER_STOPS", "10"))
 HANG_GUARD_S = 120
 
 
@@ -140,7 +142,7 @@ def _kill_and_check(launcher, sig, out, err, argv):
     return command[1:]
 
 
-def test_twenty_sigterms_and_a_sigkill_to_the_launcher_leave_no_worker_and_resume_exactly(tmp_path):
+def test_sigterms_and_a_sigkill_to_the_launcher_leave_no_worker_and_resume_exactly(tmp_path):
     ref_out, out = tmp_path / "ref", tmp_path / "run"
     reference = _start([*RUN, "--out", str(ref_out)], tmp_path / "ref.err")  # uninterrupted, meanwhile
     rng = random.Random(20261207)
