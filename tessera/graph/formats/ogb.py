@@ -10,7 +10,7 @@ import torch
 from tessera.errors import DatasetError
 from tessera.graph.formats._common import MASKS, edges_to_graph, label_data, labels_from_array, split_mask
 from tessera.graph.formats._limits import check_vertex_count
-from tessera.graph.formats._text import parse_csv, read_gzip
+from tessera.graph.formats._text import RowCountError, read_csv_gz
 from tessera.graph.graph import Graph
 
 _SPLIT_FILES = dict(zip(MASKS, ("train", "valid", "test"), strict=True))
@@ -21,8 +21,9 @@ def is_ogb_dir(path: str | Path) -> bool:
     return (Path(path) / "raw" / "edge.csv.gz").is_file()
 
 
-def _table(path: Path, dtype: type, ncols: int | None = None) -> np.ndarray:
-    return parse_csv(read_gzip(path), dtype, str(path), ncols)
+def _table(path: Path, dtype: type, ncols: int | None = None, rows: int | None = None) -> np.ndarray:
+    # parsed a piece at a time into the table: products' node-feat.csv.gz is 2.4 GB of text
+    return read_csv_gz(path, dtype, ncols, rows)
 
 
 def _split_dir(root: Path, split: str | None) -> Path | None:
@@ -48,22 +49,33 @@ def load_ogb(
     raw = root / "raw"
     if not is_ogb_dir(root):
         raise DatasetError(f"{root} is not an OGB dataset directory: {raw / 'edge.csv.gz'} is missing")
-    edges = _table(raw / "edge.csv.gz", np.int64, 2)
-    x = _table(raw / "node-feat.csv.gz", np.float32) if (raw / "node-feat.csv.gz").is_file() else None
-    y = None
-    if (raw / "node-label.csv.gz").is_file():
-        y = labels_from_array(_table(raw / "node-label.csv.gz", np.float64), str(raw / "node-label.csv.gz"))
-
     count_file = raw / "num-node-list.csv.gz"
+    declared = None
     if count_file.is_file():
         counts = _table(count_file, np.int64, 1)
         if counts.shape[0] != 1:
             raise DatasetError(
                 f"{count_file} lists {counts.shape[0]} graphs; only single-graph node datasets are supported"
             )
-        n, bound = int(counts[0, 0]), f"{count_file.name} says {int(counts[0, 0])} nodes"
-        if n < 0:
-            raise DatasetError(f"{count_file} says the graph has {n} nodes")
+        declared = int(counts[0, 0])
+        if declared < 0:
+            raise DatasetError(f"{count_file} says the graph has {declared} nodes")
+    edges = _table(raw / "edge.csv.gz", np.int64, 2)
+    x = None
+    if (raw / "node-feat.csv.gz").is_file():
+        try:  # one table of the declared rows, filled as the text is parsed
+            x = _table(raw / "node-feat.csv.gz", np.float32, rows=declared)
+        except RowCountError as e:
+            found = f"more than {e.declared}" if e.found is None else e.found
+            raise DatasetError(
+                f"{raw / 'node-feat.csv.gz'} has {found} rows but the graph has {e.declared} nodes"
+            ) from None
+    y = None
+    if (raw / "node-label.csv.gz").is_file():
+        y = labels_from_array(_table(raw / "node-label.csv.gz", np.float64), str(raw / "node-label.csv.gz"))
+
+    if declared is not None:
+        n, bound = declared, f"{count_file.name} says {declared} nodes"
     else:
         n = max(
             int(edges.max()) + 1 if edges.size else 0, len(x) if x is not None else 0, len(y) if y is not None else 0
