@@ -9,6 +9,8 @@ exchanged per epoch (``result.json``) and the part of them sent between hosts (t
 counts of ``metrics.jsonl``), and each rank's peak RSS (``result.json``). Needs root and iproute2.
 
     python benchmarks/bench_hosts.py --dataset synthetic:small --epochs 3
+    python benchmarks/bench_hosts.py --dataset synthetic:small --caps none --strategies partition \\
+        --epochs 3 --repeats 20   # do completed runs always exit 0?
 """
 
 from __future__ import annotations
@@ -67,21 +69,32 @@ def summarize(out: Path, ranks_per_host: int) -> dict[str, Any]:
 
 
 def run_cap(args: argparse.Namespace, cap: str, work: Path) -> list[dict[str, Any]]:
-    """Every strategy's row at link cap ``cap`` (``none``: uncapped)."""
+    """Every strategy's row at link cap ``cap`` (``none``: uncapped), each run ``--repeats`` times:
+    the row counts the runs whose every host exited 0 and summarizes the last of them."""
     rows = []
     with EmulatedHosts(args.hosts, None if cap == "none" else cap) as hosts:
         for strategy in args.strategies.split(","):
-            out = work / f"{cap}-{strategy}"
-            runs = hosts.run(train_args(args, strategy, out), args.ranks_per_host, args.timeout, log_dir=out / "logs")
-            row: dict[str, Any] = {"cap": cap, "strategy": strategy}
-            if all(r.returncode == 0 for r in runs):
-                row.update(summarize(out, args.ranks_per_host))
-            else:
-                row["error"] = "; ".join(
-                    f"{r.host} exit {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1][:160]}"
-                    for r in runs
-                    if r.returncode != 0
+            row: dict[str, Any] = {"cap": cap, "strategy": strategy, "completed": 0, "runs": args.repeats}
+            errors = []
+            for i in range(args.repeats):
+                out = work / f"{cap}-{strategy}-{i}"
+                runs = hosts.run(
+                    train_args(args, strategy, out), args.ranks_per_host, args.timeout, log_dir=out / "logs"
                 )
+                if all(r.returncode == 0 for r in runs):
+                    row["completed"] += 1
+                    row.update(summarize(out, args.ranks_per_host))
+                else:
+                    errors.append(
+                        f"run {i}: "
+                        + "; ".join(
+                            f"{r.host} exit {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1][:160]}"
+                            for r in runs
+                            if r.returncode != 0
+                        )
+                    )
+            if errors:
+                row["error"] = " | ".join(errors)
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     return rows
@@ -92,21 +105,25 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     head = (
         f"{args.dataset}, {args.model} hidden {args.hidden}, {args.hosts} hosts x {args.ranks_per_host} ranks, "
         f"{args.epochs} epochs (median epoch after the first)\n\n"
-        "| link cap | strategy | epoch (ms) | MB sent / epoch (all ranks) | of which between hosts "
+        "| link cap | strategy | runs exit 0 | epoch (ms) | MB sent / epoch (all ranks) | of which between hosts "
         "| peak RSS per rank (MiB) | test acc |\n"
-        "|---|---|---:|---:|---:|---|---:|\n"
+        "|---|---|---:|---:|---:|---:|---|---:|\n"
     )
     lines = []
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['cap']} | {r['strategy']} | failed: {r['error']} | | | | |")
+        done = f"{r['completed']}/{r['runs']}"
+        if not r["completed"]:
+            lines.append(f"| {r['cap']} | {r['strategy']} | {done} | failed: {r['error']} | | | | |")
             continue
         mb = "n/a" if r["mb_per_epoch"] is None else f"{r['mb_per_epoch']:.2f}"
         rss = "n/a" if not r["rss_mb"] else ", ".join(f"{m:.0f}" for m in r["rss_mb"])
         acc = "n/a" if r["test_acc"] is None else f"{r['test_acc']:.4f}"
         cross = f"{r['cross_mb_per_epoch']:.2f}"
-        lines.append(f"| {r['cap']} | {r['strategy']} | {1e3 * r['epoch_s']:.1f} | {mb} | {cross} | {rss} | {acc} |")
-    return head + "\n".join(lines) + "\n"
+        lines.append(
+            f"| {r['cap']} | {r['strategy']} | {done} | {1e3 * r['epoch_s']:.1f} | {mb} | {cross} | {rss} | {acc} |"
+        )
+    failures = [f"- {r['cap']} {r['strategy']}: {r['error']}" for r in rows if "error" in r]
+    return head + "\n".join(lines) + "\n" + ("\nFailed runs:\n" + "\n".join(failures) + "\n" if failures else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", type=int, default=2)
     p.add_argument("--ranks-per-host", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per cap and strategy (the table counts those exiting 0)"
+    )
     p.add_argument("--md", help="also write the table to this file")
     args = p.parse_args(argv)
     why = unavailable()
