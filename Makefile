@@ -4,7 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 # test processes (pytest-xdist, whole modules each): the suite is mostly single-threaded work and
-# waits on worker processes, so two keep two cores busy
+# waits on worker processes, so two keep two cores busy; each on one thread (OMP_NUM_THREADS,
+# NUMBA_NUM_THREADS), since two workers each running a pool as wide as the machine oversubscribe it
+# (three modules of single-process training: 111 s with default threads, 37 s with one)
 TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessera-installed
@@ -22,7 +24,7 @@ run: $(STAMP)
 	$(BIN)/tessera train
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check tessera tests benchmarks
