@@ -3,6 +3,7 @@ starts and holds it, rank 0 serves the store on that very socket, and the other 
 
 import datetime
 import errno
+import os
 import socket
 
 import pytest
@@ -22,7 +23,9 @@ def test_the_port_is_held_from_the_moment_it_is_chosen(monkeypatch):
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(port))
         monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-        monkeypatch.setenv(STORE_FD, str(sock.fileno()))
+        # the store owns the descriptor it serves on (as rank 0 owns the one it inherited): a
+        # duplicate, so closing the socket here never closes a number this process reuses later
+        monkeypatch.setenv(STORE_FD, str(os.dup(sock.fileno())))
         served = _job_store(0, 2, TIMEOUT)  # rank 0 serves the store on the inherited socket
         monkeypatch.setenv(STORE_FD, "rank 0")
         joined = _job_store(1, 2, TIMEOUT)
@@ -30,6 +33,7 @@ def test_the_port_is_held_from_the_moment_it_is_chosen(monkeypatch):
         joined.set("from rank 1", b"x")
         assert served.get("from rank 1") == b"x"
         assert served.port == joined.port == port  # type: ignore[attr-defined]
+        del joined, served
 
 
 def test_without_the_variable_ranks_use_torchs_env_rendezvous(monkeypatch):
