@@ -415,8 +415,10 @@ def program() -> NoReturn:
     returned: its group is left and every file it wrote is complete, while the native teardown of
     torch's and gloo's threads can still abort a finished rank ("terminate called without an
     active exception") and turn a completed run into a failed one."""
+    from tessera.comm.group import env_world_size
+
     status = main()
-    if os.environ.get("WORLD_SIZE", "1") != "1":
+    if env_world_size() > 1:
         _exit_now(status)
     sys.exit(status)
 
