@@ -6,9 +6,13 @@ uncapped). At each cap, ``python -m tessera train`` runs under one torchrun per 
 rendezvous) with every ``--strategies`` entry in turn, and the table gives per cap and strategy
 the median epoch time after the first epoch (``metrics.jsonl``), the data and parameter bytes
 exchanged per epoch (``result.json``) and the part of them sent between hosts (the per-pair
-counts of ``metrics.jsonl``), and each rank's peak RSS (``result.json``). Needs root and iproute2.
+counts of ``metrics.jsonl``), and each rank's peak RSS (``result.json``). Under ``auto`` the row
+names each layer's planned entry and the planner's modelled and measured step of the chosen
+candidates (summed over layers); the strategy ``auto+bits`` is ``auto`` with ``--comm-bits auto``
+(each layer's exchange widths planned too). Needs root and iproute2.
 
     python benchmarks/bench_hosts.py --dataset synthetic:small --epochs 3
+    python benchmarks/bench_hosts.py --dataset synthetic:arxiv --strategies partition,auto,auto+bits --epochs 4
     python benchmarks/bench_hosts.py --dataset synthetic:small --caps none --strategies partition \\
         --epochs 3 --repeats 20   # do completed runs always exit 0?
 """
@@ -33,7 +37,9 @@ def train_args(args: argparse.Namespace, strategy: str, out: Path) -> list[str]:
     """torchrun's program and arguments: ``tessera train`` with ``strategy`` into ``out``."""
     argv = ["-m", "tessera", "train", "--dataset", args.dataset, "--model", args.model, "--hidden", str(args.hidden),
             "--epochs", str(args.epochs), "--patience", "0", "--checkpoint-every", "1000", "--no-progress",
-            "--strategy", strategy, "--out", str(out)]  # fmt: skip
+            "--strategy", strategy.removesuffix("+bits"), "--out", str(out)]  # fmt: skip
+    if strategy.endswith("+bits"):
+        argv += ["--comm-bits", "auto"]
     if strategy == "hybrid":
         argv += ["--groups", str(args.ranks_per_host)]
     return argv
@@ -59,7 +65,14 @@ def summarize(out: Path, ranks_per_host: int) -> dict[str, Any]:
     result = json.loads((out / "result.json").read_text())
     comm = result.get("comm") or {}
     sent = sum(sum(layer) for key in ("bytes_data", "bytes_params") for layer in comm.get(key, []))
+    plan = result.get("plan") or {}
+    chosen = [next(c for c in la["candidates"] if c["label"] == la["choice"]) for la in plan.get("layers", [])]
     return {
+        "plan": plan.get("choices"),
+        "modelled_ms": sum(c["modelled_ms"] for c in chosen) if chosen else None,
+        "measured_ms": sum(c["measured_ms"] for c in chosen)
+        if chosen and all(c["measured_ms"] for c in chosen)
+        else None,
         "epoch_s": statistics.median(times),
         "mb_per_epoch": sent / max(1, comm.get("epochs", len(epochs))) / 1e6 if comm else None,
         "cross_mb_per_epoch": statistics.mean(cross_host_bytes(e, ranks_per_host) for e in epochs) / 1e6,
@@ -106,21 +119,28 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.dataset}, {args.model} hidden {args.hidden}, {args.hosts} hosts x {args.ranks_per_host} ranks, "
         f"{args.epochs} epochs (median epoch after the first)\n\n"
         "| link cap | strategy | runs exit 0 | epoch (ms) | MB sent / epoch (all ranks) | of which between hosts "
-        "| peak RSS per rank (MiB) | test acc |\n"
-        "|---|---|---:|---:|---:|---:|---|---:|\n"
+        "| peak RSS per rank (MiB) | test acc | plan | planner modelled / measured step (ms) |\n"
+        "|---|---|---:|---:|---:|---:|---|---:|---|---|\n"
     )
     lines = []
     for r in rows:
         done = f"{r['completed']}/{r['runs']}"
         if not r["completed"]:
-            lines.append(f"| {r['cap']} | {r['strategy']} | {done} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['cap']} | {r['strategy']} | {done} | failed: {r['error']} | | | | | | |")
             continue
         mb = "n/a" if r["mb_per_epoch"] is None else f"{r['mb_per_epoch']:.2f}"
         rss = "n/a" if not r["rss_mb"] else ", ".join(f"{m:.0f}" for m in r["rss_mb"])
         acc = "n/a" if r["test_acc"] is None else f"{r['test_acc']:.4f}"
         cross = f"{r['cross_mb_per_epoch']:.2f}"
+        plan = ", ".join(r["plan"]) if r.get("plan") else ""
+        steps = (
+            ""
+            if r.get("modelled_ms") is None
+            else f"{r['modelled_ms']:.1f} / " + ("-" if r.get("measured_ms") is None else f"{r['measured_ms']:.1f}")
+        )
         lines.append(
-            f"| {r['cap']} | {r['strategy']} | {done} | {1e3 * r['epoch_s']:.1f} | {mb} | {cross} | {rss} | {acc} |"
+            f"| {r['cap']} | {r['strategy']} | {done} | {1e3 * r['epoch_s']:.1f} | {mb} | {cross} | {rss} | {acc} "
+            f"| {plan} | {steps} |"
         )
     failures = [f"- {r['cap']} {r['strategy']}: {r['error']}" for r in rows if "error" in r]
     return head + "\n".join(lines) + "\n" + ("\nFailed runs:\n" + "\n".join(failures) + "\n" if failures else "")

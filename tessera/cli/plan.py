@@ -46,7 +46,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--norm", default="none", help="none | layer, as train --norm (default none)")
     s.add_argument("--label-prop", type=float, default=0.0, help="as train --label-prop (default 0)")
     s.add_argument(
-        "--comm-bits", default="32", help="exchange widths to consider, comma list from 32,8,4,2 (default 32)"
+        "--comm-bits",
+        default="32",
+        help="exchange widths to consider, comma list from 32,8,4,2, or auto as train --comm-bits auto (default 32)",
     )
     s.add_argument("--pipeline-stages", type=int, default=1, help="tensor strategy's stages (default 1)")
     s.add_argument("--partition", default="metis", help="metis | range | random (default metis)")
@@ -75,9 +77,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace):
-    """The run the plan is for, as a TrainConfig (validated like `train`'s), and the bit widths."""
+    """The run the plan is for, as a TrainConfig (validated like `train`'s), the bit widths and
+    whether the plan chooses them per layer and direction (``--comm-bits auto``)."""
     from tessera.cli.simulate import _bits
     from tessera.train.config import TrainConfig
+    from tessera.train.planning import auto_bit_widths
 
     cfg = TrainConfig(
         dataset=args.dataset or "synthetic:small",
@@ -95,19 +99,20 @@ def _settings(args: argparse.Namespace):
         timeout=args.timeout,
         pipeline_stages=args.pipeline_stages,
     )
-    bits = _bits(args.comm_bits)
-    cfg.comm_bits = bits[0]
+    auto_bits = args.comm_bits == "auto"
+    bits = auto_bit_widths(cfg) if auto_bits else _bits(args.comm_bits)
+    cfg.comm_bits = 32 if auto_bits else bits[0]
     cfg.validate()
     if not args.prune >= 1:
         raise ConfigError(f"--prune must be a factor of at least 1, got {args.prune}")
-    return cfg, bits
+    return cfg, bits, auto_bits
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """Plan (on ``--nprocs`` processes unless ``--model-only``), print the table; returns 0."""
     from tessera.comm.group import env_world_size
 
-    cfg, bits = _settings(args)
+    cfg, bits, auto_bits = _settings(args)
     if not args.model_only and cfg.nprocs > 1 and env_world_size() <= 1:
         from tessera.cli.launch import launch
 
@@ -133,13 +138,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             f"--model {cfg.model} computes per-edge values (attention), which the planner does not model: "
             "--strategy auto runs it under partition parallelism, and --strategy partition or tensor choose by hand"
         )
+    assert isinstance(cfg.comm_bits, int)
     options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages)
     probe = model_probe(model, cfg)
     factor = float("inf") if args.measure_all else args.prune
     if args.model_only or cfg.nprocs == 1:
-        rec = _model_only(g, cfg, options, probe, bits, args)
+        rec = _model_only(g, cfg, options, probe, bits, auto_bits, args)
     else:
-        measured = _measured(g, cfg, options, probe, bits, factor, args)
+        measured = _measured(g, cfg, options, probe, bits, auto_bits, factor, args)
         if measured is None:
             return 0  # a non-zero rank: rank 0 prints
         rec = measured
@@ -158,7 +164,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _model_only(g, cfg, options, probe, bits, args) -> Plan:
+def _model_only(g, cfg, options, probe, bits, auto_bits, args) -> Plan:
     from tessera.graph.partition import partition
     from tessera.planner.calibrate import local_rates
     from tessera.planner.candidates import Context
@@ -169,18 +175,18 @@ def _model_only(g, cfg, options, probe, bits, args) -> Plan:
     link = CommModel(args.bandwidth_gbps, args.latency_us)
     rates = local_rates(g, cfg.nprocs, link, cfg.backend, aggregate_widths(probe))
     part = partition(g, cfg.nprocs, cfg.partition, cfg.seed)
-    rec = model_plan(Context(g, cfg.nprocs, part, options, rates, bits), probe)
+    rec = model_plan(Context(g, cfg.nprocs, part, options, rates, bits, auto_bits), probe)
     return replace(rec, planning_s=time.perf_counter() - t0)
 
 
-def _measured(g, cfg, options, probe, bits, factor, args) -> Plan | None:
+def _measured(g, cfg, options, probe, bits, auto_bits, factor, args) -> Plan | None:
     """The measured plan on rank 0 (None on the other ranks)."""
     from tessera.comm.group import init_from_env, shutdown
     from tessera.planner.plan import plan_layers
 
     comm = init_from_env(cfg.timeout)
     try:
-        rec, _ = plan_layers(comm, g, options, probe, bits, factor, use_cache=not args.no_cache)
+        rec, _ = plan_layers(comm, g, options, probe, bits, factor, use_cache=not args.no_cache, auto_bits=auto_bits)
     except BaseException:
         shutdown(clean=False)
         raise

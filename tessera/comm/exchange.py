@@ -97,17 +97,23 @@ class Pending:
 
 
 class BlockExchange:
-    """All-to-alls of per-peer blocks at one bit width, counted in one log."""
+    """All-to-alls of per-peer blocks at one bit width per direction, counted in one log."""
 
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
-        self.bits = 32
+        self.widths = (32, 32)
         self.log: CommLog | None = None
         self._buffers: dict = {}
 
-    def configure(self, bits: int, log: CommLog | None) -> None:
-        """Set the bit width of every exchange and the log that counts them."""
-        self.bits, self.log = check_bits(bits), log
+    def configure(self, bits: int | tuple[int, int], log: CommLog | None) -> None:
+        """Set the bit width of every exchange (one for both directions, or ``(forward,
+        backward)``) and the log that counts them."""
+        fwd, bwd = (bits, bits) if isinstance(bits, int) else bits
+        self.widths, self.log = (check_bits(fwd), check_bits(bwd)), log
+
+    def bits(self, direction: int) -> int:
+        """Bits per exchanged value in ``direction`` (FORWARD or BACKWARD)."""
+        return self.widths[direction]
 
     def _buffer(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -126,7 +132,7 @@ class BlockExchange:
                 if w == width and q != me:
                     counts[job[q]] = r
             if any(counts):
-                self.log.record(layer, direction, counts, width, self.bits)
+                self.log.record(layer, direction, counts, width, self.bits(direction))
 
     def start_blocks(
         self,
@@ -142,7 +148,8 @@ class BlockExchange:
         ``tag`` tells apart the exchanges of one layer and direction (buffers and rounding seeds)."""
         self._record(layer, direction, send)
         key = (layer, direction, tag, send, recv)
-        if self.bits == 32:
+        bits = self.bits(direction)
+        if bits == 32:
             payload = torch.cat([b.reshape(-1) for b in data]) if isinstance(data, list) else data.reshape(-1)
             out = payload.new_empty(sum(recv.sizes()))
             return self._launch(
@@ -152,7 +159,7 @@ class BlockExchange:
 
         me = self.comm.rank
         skip = me if send.rows[me] else None
-        send_split, recv_split = send.nbytes(self.bits, skip), recv.nbytes(self.bits, skip)
+        send_split, recv_split = send.nbytes(bits, skip), recv.nbytes(bits, skip)
         payload = self._buffer(("send", *key), (sum(send_split),), torch.uint8)
         starts = np.cumsum([0, *send_split])
         with Timer(self.log, layer, direction, "quantize_s"):
@@ -160,7 +167,7 @@ class BlockExchange:
                 rows = list(send.rows[a:b])
                 x = _run_values(data, send, a, b).view(sum(rows), width).float()
                 seed = quantization_seed(layer, direction, self.comm.job_rank, (tag, a))
-                encode(x, self.bits, seed, out=payload[starts[a] : starts[b]], splits=rows)
+                encode(x, bits, seed, out=payload[starts[a] : starts[b]], splits=rows)
         out = self._buffer(("recv", *key), (sum(recv_split),), torch.uint8)
         own = _run_values(data, send, me, me + 1) if skip is not None else None
         return self._launch(payload, out, send_split, recv_split, recv, own, key, layer, direction)
@@ -188,19 +195,20 @@ class BlockExchange:
         with Timer(self.log, p.layer, p.direction, "exchange_s"):
             if p.work is not None:
                 p.work.wait()
-        if self.bits == 32:
+        bits = self.bits(p.direction)
+        if bits == 32:
             return p.out
         from tessera.comm.quantize import decode
 
         me = self.comm.rank
         skip = me if p.own is not None else None
         values = self._buffer(("decoded", *p.key), (sum(p.recv.sizes()),), torch.float32)
-        starts, at = np.cumsum([0, *p.recv.nbytes(self.bits, skip)]), p.recv.offsets()
+        starts, at = np.cumsum([0, *p.recv.nbytes(bits, skip)]), p.recv.offsets()
         with Timer(self.log, p.layer, p.direction, "quantize_s"):
             for a, b, width in p.recv.runs(skip):
                 rows = p.recv.rows[a:b]
                 view = values[at[a] : at[b]].view(sum(rows), width)
-                decode(p.out[starts[a] : starts[b]], width, self.bits, list(rows), out=view)
+                decode(p.out[starts[a] : starts[b]], width, bits, list(rows), out=view)
             if p.own is not None:
                 values[at[me] : at[me + 1]].copy_(p.own.reshape(-1))
         return values

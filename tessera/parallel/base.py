@@ -61,7 +61,8 @@ class Shard:
 @dataclass(frozen=True)
 class StrategyOptions:
     """The settings a strategy reads: aggregation backend, remote aggregation mode, partition
-    method and seed, the exchange's bit width, the tensor strategy's pipeline stages and the
+    method and seed, the exchange's bit width (``grad_bits``: the backward exchange's, when it
+    differs from the forward's ``comm_bits``), the tensor strategy's pipeline stages and the
     hybrid strategy's column groups."""
 
     backend: str = "auto"
@@ -71,6 +72,11 @@ class StrategyOptions:
     comm_bits: int = 32
     pipeline_stages: int = 1
     groups: int = 1
+    grad_bits: int | None = None
+
+    def exchange_bits(self) -> tuple[int, int]:
+        """Bits per exchanged value ``(forward, backward)``."""
+        return self.comm_bits, self.comm_bits if self.grad_bits is None else self.grad_bits
 
 
 def row_split(graph: Graph, comm: Comm, options: StrategyOptions) -> np.ndarray:

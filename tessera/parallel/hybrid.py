@@ -143,7 +143,7 @@ class HybridStrategy(Strategy):
         part_ids = self.halo.plan_rows(graph, part // opt.groups).numpy()
         self.log = self.halo.log
         exchange = BlockExchange(self.rows_comm)
-        exchange.configure(opt.comm_bits, self.log)
+        exchange.configure(opt.exchange_bits(), self.log)
         rows = [np.flatnonzero(part == r) for r in layout[comm.rank // opt.groups]]
         ids = np.concatenate(rows)
         assert np.array_equal(np.sort(ids), part_ids), "the G-part must be its row group's rows"

@@ -9,7 +9,8 @@ strategy; the byte and time counters of all of them are summed into one log.
 An entry is ``NAME[:ARG...][@aggregate-first|@transform-first]``: ``partition`` (the run's
 ``--remote-agg`` and ``--comm-bits``), ``partition:MODE`` or ``partition:MODE:BITS``, ``tensor``
 or ``tensor:BITS``, ``hybrid`` (the run's ``--groups``), ``hybrid:M``, ``hybrid:M:MODE`` or
-``hybrid:M:MODE:BITS``. The suffix fixes WiseGraph's operation placement for that layer (which side
+``hybrid:M:MODE:BITS``, where ``BITS`` is one width for both directions or the forward and
+backward exchanges' widths, ``8/32``. The suffix fixes WiseGraph's operation placement for that layer (which side
 of the dense transform aggregates, and so the exchanged width); without it the layer aggregates
 the narrower side. A strategy adds its entry syntax with :func:`register_entry`.
 """
@@ -34,10 +35,23 @@ PLACEMENTS = {"aggregate-first": True, "transform-first": False}
 _MODES = ("post", "pre", "prepost")
 
 
-def _bits(text: str, entry: str) -> int:
-    if not text.isdigit() or int(text) not in COMM_BITS:
-        raise ConfigError(f"bits in --strategy entry {entry!r} must be one of {', '.join(map(str, COMM_BITS))}")
-    return int(text)
+def _bits(text: str, entry: str) -> dict[str, int]:
+    """``BITS`` (both directions) or ``FORWARD/BACKWARD`` bits as the options they set."""
+    widths = text.split("/")
+    if len(widths) > 2 or not all(w.isdigit() and int(w) in COMM_BITS for w in widths):
+        raise ConfigError(
+            f"bits in --strategy entry {entry!r} must be one of {', '.join(map(str, COMM_BITS))}, "
+            "or forward/backward bits such as 8/32"
+        )
+    fwd, bwd = int(widths[0]), int(widths[-1])
+    return {"comm_bits": fwd} if fwd == bwd else {"comm_bits": fwd, "grad_bits": bwd}
+
+
+def bits_text(options: dict[str, Any]) -> str:
+    """The ``BITS`` argument of an entry whose options are ``options``: ``8``, or ``8/32`` where the
+    backward exchange's width differs."""
+    fwd, bwd = options["comm_bits"], options.get("grad_bits")
+    return str(fwd) if bwd is None or bwd == fwd else f"{fwd}/{bwd}"
 
 
 def _partition_args(args: list[str], entry: str) -> dict[str, Any]:
@@ -47,14 +61,14 @@ def _partition_args(args: list[str], entry: str) -> dict[str, Any]:
         )
     out: dict[str, Any] = {"remote_agg": args[0]} if args else {}
     if len(args) == 2:
-        out["comm_bits"] = _bits(args[1], entry)
+        out.update(_bits(args[1], entry))
     return out
 
 
 def _tensor_args(args: list[str], entry: str) -> dict[str, Any]:
     if len(args) > 1:
         raise ConfigError(f"--strategy entry {entry!r}: write tensor or tensor:BITS")
-    return {"comm_bits": _bits(args[0], entry)} if args else {}
+    return _bits(args[0], entry) if args else {}
 
 
 def _hybrid_args(args: list[str], entry: str) -> dict[str, Any]:
@@ -67,7 +81,7 @@ def _hybrid_args(args: list[str], entry: str) -> dict[str, Any]:
     if len(args) > 1:
         out["remote_agg"] = args[1]
     if len(args) == 3:
-        out["comm_bits"] = _bits(args[2], entry)
+        out.update(_bits(args[2], entry))
     return out
 
 
@@ -105,9 +119,9 @@ class LayerChoice:
         """The entry as ``--strategy`` takes it: the arguments it sets (earlier ones it leaves
         to the run's options filled in from ``base``), then its placement."""
         fields, o = ENTRIES[self.strategy][0], dict(self.overrides)
-        given = [i for i, f in enumerate(fields) if f in o]
-        base_o = dataclasses.asdict(base)
-        args = [str(o.get(f, base_o[f])) for f in fields[: given[-1] + 1]] if given else []
+        given = [i for i, f in enumerate(fields) if f in o or (f == "comm_bits" and "grad_bits" in o)]
+        options = dataclasses.asdict(self.options(base))
+        args = [bits_text(options) if f == "comm_bits" else str(options[f]) for f in fields[: given[-1] + 1]] if given else []  # fmt: skip
         text = ":".join([self.strategy, *args])
         if self.aggregate_first is not None:
             text += "@" + ("aggregate-first" if self.aggregate_first else "transform-first")

@@ -287,7 +287,7 @@ class PartitionStrategy(Strategy):
 
     def _exchange(self, plan: RankPlan | PairPlan) -> Exchange:
         exchange = Exchange(self.comm, plan.send_counts, plan.recv_counts)
-        exchange.configure(self.options.comm_bits, self.log)
+        exchange.configure(self.options.exchange_bits(), self.log)
         return exchange
 
     def _transform_first(self, spec: LayerSpec) -> bool:

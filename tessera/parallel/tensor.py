@@ -322,7 +322,7 @@ class TensorAttentionOperand(TensorOperand):
     def _own_cols(self, t: torch.Tensor, direction: int) -> torch.Tensor:
         """:meth:`_to_cols` in a tensor of its own (below 32 bits the exchange reuses its buffer)."""
         cols = self._to_cols(t, direction)
-        return cols.clone() if self.plan.exchange.bits < 32 else cols
+        return cols.clone() if self.plan.exchange.bits(direction) < 32 else cols
 
     def _cols_of(self, t: torch.Tensor, direction: int) -> torch.Tensor:
         kept = self._split.get(direction)
@@ -361,7 +361,7 @@ class TensorStrategy(Strategy):
         structure = Graph(graph.indptr, graph.indices, graph.num_nodes, edge_weight=graph.edge_weight)
         self.log = CommLog(self.comm.rank, world)
         exchange = BlockExchange(self.comm)
-        exchange.configure(self.options.comm_bits, self.log)
+        exchange.configure(self.options.exchange_bits(), self.log)
         self.plan = TensorPlan(
             shared_graph(self.comm, lambda: permute_graph(structure, order), "whole-graph structure"),
             counts,

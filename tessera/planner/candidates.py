@@ -39,6 +39,13 @@ slice of width S, the widest of ``column_bounds(D, M)``), per aggregation pass:
 The saving is the paper's model of G cores sharing one slice through a cache; tessera's CPU ranks
 are processes holding their own copies, so on them it is a modelled preference for larger G that
 the measured steps of the surviving candidates check.
+
+Bit widths (SuperGCN §6.1): every kind's choices come at each of the context's ``bits``, one width
+for both directions. With ``auto_bits`` (``--comm-bits auto``) the forward and backward exchanges
+take their widths independently, and a candidate below 32 bits is kept only where its modelled
+time is at most ``1 - AUTO_BITS_GAIN`` of the same choice at 32 bits: quantization changes the
+numbers a run trains, so it is taken only for a large saving (the measured pick applies the same
+rule, :func:`pick_measured`).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ class Context:
     options: StrategyOptions
     rates: Rates
     bits: tuple[int, ...] = (32,)
+    auto_bits: bool = False
     _memo: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -97,7 +105,9 @@ class Context:
         key = f"grouped-{groups}"
         if key not in self._memo:
             g = self.world // groups
-            self._memo[key] = Context(self.graph, g, self.part // groups, self.options, self.rates, self.bits)
+            self._memo[key] = Context(
+                self.graph, g, self.part // groups, self.options, self.rates, self.bits, self.auto_bits
+            )
         return self._memo[key]
 
     def pair_rows(self, mode: str) -> np.ndarray:
@@ -202,10 +212,50 @@ def algorithm1_terms(ctx: Context, groups: int, edges: float, rows: float, width
     return Algorithm1Terms.of(groups, s, ctx.world // groups, rates.cache_ratio, comp, mem)
 
 
+# ---------------------------------------------------------------------------------------- bit widths
+#: the least share of a layer's modelled (and measured) time a width below 32 bits must save under
+#: ``--comm-bits auto`` (it changes the numbers the run trains)
+AUTO_BITS_GAIN = 0.2
+
+
+def bit_overrides(ctx: Context) -> list[tuple[tuple[str, int], ...]]:
+    """The ``comm_bits`` (and ``grad_bits``) overrides of each width a choice comes at: each of
+    ``ctx.bits``, or with ``auto_bits`` each (forward, backward) pair of them."""
+    if not ctx.auto_bits:
+        return [(("comm_bits", b),) for b in ctx.bits]
+    return [(("comm_bits", f),) + ((("grad_bits", g),) if g != f else ()) for f in ctx.bits for g in ctx.bits]
+
+
+def _with(bits: tuple[tuple[str, int], ...], *others: tuple[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(bits + others))
+
+
+def choice_bits(choice: LayerChoice, base: StrategyOptions) -> tuple[int, int]:
+    """``choice``'s (forward, backward) exchange widths over the run's options ``base``."""
+    return choice.options(base).exchange_bits()
+
+
+def full_width_twin(choice: LayerChoice) -> tuple:
+    """What ``choice`` is apart from its bit widths: candidates with the same key differ only there."""
+    return (choice.strategy, tuple(o for o in choice.overrides if o[0] not in ("comm_bits", "grad_bits")), choice.aggregate_first)  # fmt: skip
+
+
+def worth_its_bits(candidates: list[Candidate], base: StrategyOptions) -> list[Candidate]:
+    """``candidates`` without those below 32 bits whose modelled time is above ``1 -
+    AUTO_BITS_GAIN`` of their full-width twin's (every candidate at 32 bits stays)."""
+    full = {full_width_twin(c.choice): c.modelled_s for c in candidates if choice_bits(c.choice, base) == (32, 32)}
+    return [
+        c
+        for c in candidates
+        if choice_bits(c.choice, base) == (32, 32)
+        or c.modelled_s <= (1 - AUTO_BITS_GAIN) * full.get(full_width_twin(c.choice), float("inf"))
+    ]
+
+
 # ---------------------------------------------------------------------------------------- partition
 def _partition_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
     modes = ("post",) if spec.edge_values else MODES  # attention gathers post rows whatever the mode
-    return [LayerChoice("partition", (("comm_bits", b), ("remote_agg", m))) for m in modes for b in ctx.bits]
+    return [LayerChoice("partition", _with(b, ("remote_agg", m))) for m in modes for b in bit_overrides(ctx)]
 
 
 def partition_work(ctx: Context, mode: str) -> np.ndarray:
@@ -222,9 +272,10 @@ def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward
     o = choice.options(ctx.options)
     w, passes = spec.aggregate_width, 1 + backward
     rows, m, sent = ctx.pair_rows(o.remote_agg), ctx.rates.comm(), row_width(spec)
-    comm = exchange_time(rows, sent, o.comm_bits, m).time_s
+    fwd, bwd = o.exchange_bits()
+    comm = exchange_time(rows, sent, fwd, m).time_s
     if backward:
-        comm += exchange_time(rows.T, sent, o.comm_bits, m).time_s
+        comm += exchange_time(rows.T, sent, bwd, m).time_s
     work = partition_work(ctx, o.remote_agg)
     busiest = int(np.argmax(work))
     alg1 = algorithm1_terms(ctx, 1, work[busiest], ctx.counts[busiest], w, passes)
@@ -233,16 +284,19 @@ def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward
 
 # ---------------------------------------------------------------------------------------- tensor
 def _tensor_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
-    return [] if spec.edge_values else [LayerChoice("tensor", (("comm_bits", b),)) for b in ctx.bits]
+    return [] if spec.edge_values else [LayerChoice("tensor", _with(b)) for b in bit_overrides(ctx)]
 
 
 def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> KindCost:
     o = choice.options(ctx.options)
     w, passes = spec.aggregate_width, 1 + backward
     widest = -(-w // ctx.world)
-    comm = all_to_all_time(ctx.counts, w, o.comm_bits, ctx.rates.comm(), o.pipeline_stages)
+    fwd, bwd = o.exchange_bits()
+    comm = sum(
+        all_to_all_time(ctx.counts, w, bits, ctx.rates.comm(), o.pipeline_stages) for bits in (fwd, bwd)[:passes]
+    )
     alg1 = algorithm1_terms(ctx, ctx.world, ctx.graph.num_edges, ctx.graph.num_nodes, w, passes)
-    return KindCost(passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest), passes * comm, alg1)
+    return KindCost(passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest), comm, alg1)
 
 
 # ---------------------------------------------------------------------------------------- hybrid
@@ -251,10 +305,10 @@ def _hybrid_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
         return []
     groups = [m for m in range(2, ctx.world) if ctx.world % m == 0]
     return [
-        LayerChoice("hybrid", (("comm_bits", b), ("groups", m), ("remote_agg", mode)))
+        LayerChoice("hybrid", _with(b, ("groups", m), ("remote_agg", mode)))
         for m in groups
         for mode in MODES
-        for b in ctx.bits
+        for b in bit_overrides(ctx)
     ]
 
 
@@ -264,19 +318,22 @@ def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
     sub = ctx.grouped(o.groups)
     widest = int(np.diff(column_bounds(w, o.groups)).max())
     rows = sub.pair_rows(o.remote_agg)
-    halo = exchange_time(rows, widest, o.comm_bits, m).time_s
+    fwd, bwd = o.exchange_bits()
+    halo = exchange_time(rows, widest, fwd, m).time_s
     if backward:
-        halo += exchange_time(rows.T, widest, o.comm_bits, m).time_s
-    key = f"all_to_all-{o.groups}-{w}-{o.comm_bits}-{o.pipeline_stages}"
-    if key not in ctx._memo:  # the same for every mode; row groups of the same row counts cost the same
-        groups = np.unique(ctx.counts[hybrid_layout(ctx.world, o.groups)], axis=0)
-        per = [all_to_all_times(list(c), w, o.comm_bits, m, o.pipeline_stages) for c in groups]
-        ctx._memo[key] = float(np.max(per, axis=0).sum())  # each all-to-all of all row groups at once
-    a2a = ctx._memo[key]
+        halo += exchange_time(rows.T, widest, bwd, m).time_s
+    a2a = 0.0
+    for bits in (fwd, bwd)[:passes]:
+        key = f"all_to_all-{o.groups}-{w}-{bits}-{o.pipeline_stages}"
+        if key not in ctx._memo:  # the same for every mode; row groups of the same row counts cost the same
+            groups = np.unique(ctx.counts[hybrid_layout(ctx.world, o.groups)], axis=0)
+            per = [all_to_all_times(list(c), w, bits, m, o.pipeline_stages) for c in groups]
+            ctx._memo[key] = float(np.max(per, axis=0).sum())  # each all-to-all of all row groups at once
+        a2a += ctx._memo[key]
     work = partition_work(sub, o.remote_agg)
     busiest = int(np.argmax(work))
     alg1 = algorithm1_terms(ctx, o.groups, work[busiest], sub.counts[busiest], w, passes)
-    return KindCost(passes * ctx.rates.aggregate_s(work[busiest], widest), halo + passes * a2a, alg1)
+    return KindCost(passes * ctx.rates.aggregate_s(work[busiest], widest), halo + a2a, alg1)
 
 
 register_kind(CandidateKind("partition", _partition_choices, _partition_cost))
@@ -310,6 +367,8 @@ def layer_candidates(ctx: Context, specs: dict[bool, LayerSpec], natural: bool, 
         backward = spec.aggregates_input_grad(input_grad)
         for kind in KINDS.values():
             for choice in kind.choices(ctx, spec):
+                if not backward and "grad_bits" in dict(choice.overrides):
+                    continue  # no backward exchange: the same candidate as its forward width's
                 if first != natural:
                     choice = LayerChoice(choice.strategy, choice.overrides, first)
                 dense = dense_s(ctx, spec, input_grad)
@@ -320,6 +379,8 @@ def layer_candidates(ctx: Context, specs: dict[bool, LayerSpec], natural: bool, 
                 label = choice.label(ctx.options)
                 width = spec.aggregate_width
                 out.append(Candidate(choice, label, kind.name, width, backward, terms, terms.total, own.alg1))
+    if ctx.auto_bits:
+        out = worth_its_bits(out, ctx.options)
     return sorted(out, key=lambda c: c.modelled_s)
 
 

@@ -35,7 +35,7 @@ from tessera.graph import Graph
 from tessera.parallel.base import StrategyOptions, row_split
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_entry
 from tessera.planner.calibrate import Rates, calibrate
-from tessera.planner.candidates import Candidate, Context, Costs, layer_candidates, prune
+from tessera.planner.candidates import AUTO_BITS_GAIN, Candidate, Context, Costs, layer_candidates, prune
 from tessera.planner.grouping import Algorithm1Terms
 from tessera.planner.records import Record, optional
 from tessera.sparse import LayerSpec, Operand
@@ -189,7 +189,9 @@ def broadcast_json(comm: Comm, obj: Any) -> Any:
     return json.loads(bytes(buf.numpy()).decode())
 
 
-def cache_key(graph: Graph, world: int, options: StrategyOptions, probe: LayerProbe, bits, factor: float) -> dict:
+def cache_key(
+    graph: Graph, world: int, options: StrategyOptions, probe: LayerProbe, bits, factor: float, auto_bits: bool = False
+) -> dict:
     """Everything a cached plan depends on."""
     return {
         "version": PLAN_VERSION,
@@ -198,6 +200,7 @@ def cache_key(graph: Graph, world: int, options: StrategyOptions, probe: LayerPr
         "model": probe.description,
         "options": {k: getattr(options, k) for k in ("backend", "partition", "seed", "comm_bits", "pipeline_stages")},
         "bits": list(bits),
+        "auto_bits": auto_bits,
         "factor": factor,
         "threads": torch.get_num_threads(),
     }
@@ -291,6 +294,25 @@ def model_plan(ctx: Context, probe: LayerProbe) -> Plan:
     )
 
 
+def pick_measured(candidates: list[CandidateRow], options: StrategyOptions, auto_bits: bool = False) -> CandidateRow:
+    """The measured fastest of ``candidates`` (the modelled best where none was measured); with
+    ``auto_bits``, at a width below 32 bits only where it measured at most ``1 - AUTO_BITS_GAIN``
+    of the fastest full-width candidate's step (quantization changes the numbers; it must pay)."""
+    timed = [c for c in candidates if c.measured_ms is not None]
+    if not timed:
+        return candidates[0]
+    best = min(timed, key=lambda c: c.measured_ms or 0.0)
+    if not auto_bits:
+        return best
+    full = [c for c in timed if parse_entry(c.label).options(options).exchange_bits() == (32, 32)]
+    fastest_full = min(full, key=lambda c: c.measured_ms or 0.0) if full else None
+    if fastest_full is not None and (best.measured_ms or 0.0) > (1 - AUTO_BITS_GAIN) * (
+        fastest_full.measured_ms or 0.0
+    ):
+        return fastest_full
+    return best
+
+
 def measure_candidate(
     comm: Comm, pool: StrategyPool, graph: Graph, probe: LayerProbe, layer: int, choice: LayerChoice
 ) -> float:
@@ -328,18 +350,20 @@ def plan_layers(
     measure: bool = True,
     use_cache: bool = True,
     rates: Rates | None = None,
+    auto_bits: bool = False,
 ) -> tuple[Plan, StrategyPool]:
     """The plan of every layer (a collective: every rank calls it): ``(record, pool)`` where the
     record holds ``choices`` (one ``--strategy`` entry per layer), each layer's candidates with
     modelled and measured milliseconds, the constants and the planning time, and ``pool`` the
     strategies it sharded (to train with, unsharded again for none). ``bits`` are the exchange
-    widths to consider (default: the run's); ``measure`` False decides from the model alone;
-    ``rates`` skips calibration (for the model alone)."""
+    widths to consider (default: the run's); ``auto_bits`` lets each layer's forward and backward
+    exchanges take any of them where it saves enough (``--comm-bits auto``, :func:`pick_measured`);
+    ``measure`` False decides from the model alone; ``rates`` skips calibration (for the model alone)."""
     if comm.world > 1:
         comm.barrier()  # peers still loading their data are not planning
     t0 = time.perf_counter()
     bits = tuple(bits or (options.comm_bits,))
-    key = cache_key(graph, comm.world, options, probe, bits, factor if measure else 0.0)
+    key = cache_key(graph, comm.world, options, probe, bits, factor if measure else 0.0, auto_bits)
     pool = StrategyPool(comm, options)
     cached = broadcast_json(comm, _read_cached(key) if use_cache and comm.rank == 0 else None)
     if cached is not None:
@@ -352,7 +376,7 @@ def plan_layers(
     survivors: list[list[str]] = []
     if comm.rank == 0:
         modelled, survivors = modelled_layers(
-            Context(graph, comm.world, part, options, rates, bits), probe, factor, measure
+            Context(graph, comm.world, part, options, rates, bits, auto_bits), probe, factor, measure
         )
     sent, survivors = broadcast_json(comm, [[la.to_dict() for la in modelled], survivors])
     layers = [LayerPlan.from_dict(la) for la in sent]
@@ -372,8 +396,7 @@ def plan_layers(
                     candidates[j] = replace(c, measured_ms=ms)
                     shard_s += t2 - t1
                     steps_s += time.perf_counter() - t2
-        timed = [c for c in candidates if c.measured_ms is not None]
-        best = min(timed, key=lambda c: c.measured_ms or 0.0) if timed else candidates[0]
+        best = pick_measured(candidates, options, auto_bits)
         layers[i] = LayerPlan(layers[i].layer, best.label, tuple(candidates))
     rec = Plan(
         key=key,

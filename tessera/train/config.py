@@ -57,7 +57,7 @@ class TrainConfig:
     partition: str = "metis"
     parts_dir: str | None = None
     timeout: float = 300.0
-    comm_bits: int = 32
+    comm_bits: int | str = 32
     pipeline_stages: int = 1
     groups: int = 1
     norm: str = "none"
@@ -102,7 +102,12 @@ class TrainConfig:
                 0 < self.timeout <= MAX_TIMEOUT_S,
                 f"--timeout must be positive seconds up to {MAX_TIMEOUT_S:,} (a week), got {self.timeout}",
             ),
-            (self.comm_bits in (32, 8, 4, 2), f"--comm-bits must be 32, 8, 4 or 2, got {self.comm_bits}"),
+            (self.comm_bits in (32, 8, 4, 2, "auto"), f"--comm-bits must be 32, 8, 4, 2 or auto, got {self.comm_bits}"),
+            (
+                self.comm_bits != "auto" or self.nprocs == 1 or parse_strategy(self.strategy, self.layers) is None,
+                f"--comm-bits auto lets the planner choose each layer's bits, but --strategy {self.strategy} "
+                "fixes the layers: use --strategy auto, or give the bits in the entries (partition:prepost:8/32)",
+            ),
             (self.norm in ("none", "layer"), f"--norm must be none or layer, got {self.norm!r}"),
             (self.memory in MEMORY_MODES, f"--memory must be {' | '.join(MEMORY_MODES)}, got {self.memory!r}"),
             (0.0 <= self.label_prop < 1.0, f"--label-prop must be in [0, 1), got {self.label_prop}"),
@@ -291,17 +296,22 @@ def _optional(name: str) -> bool:
     return "None" in str(FIELDS[name].type)
 
 
+#: integer settings that also take the word ``auto`` (the planner chooses)
+AUTO_INTS = ("comm_bits",)
+
+
 def typed(name: str, value: Any, where: str = "") -> Any:
     """``value`` as setting ``name`` holds it (an int for a float setting becomes a float), or a
     ConfigError naming the key, ``where`` it came from and the type it needs."""
+    if name in AUTO_INTS and value == "auto":
+        return value
     kind = _kind(name)
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         ok, value = True, float(value)
     if not ok:
-        raise ConfigError(
-            f"setting {name!r}{where} must be {_KIND_NAMES[kind]}, got {value!r} ({type(value).__name__})"
-        )
+        what = _KIND_NAMES[kind] + (' or "auto"' if name in AUTO_INTS else "")
+        raise ConfigError(f"setting {name!r}{where} must be {what}, got {value!r} ({type(value).__name__})")
     return value
 
 

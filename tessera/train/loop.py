@@ -442,6 +442,7 @@ class Trainer:
         self._fingerprint = shard.fingerprint
         self.strategy, self.log, self.plan = run.strategy, run.strategy.log, run.plan
         self.feature_norm = run.feature_norm  # what --feature-norm did to this graph: row or none
+        self.comm_bits = run.comm_bits
         # multi-label targets (y of shape N x C): binary cross-entropy, measured by ROC-AUC
         self.multilabel = self.y.dim() == 2
         self.metric = "rocauc" if self.multilabel else "acc"
@@ -845,6 +846,8 @@ class Trainer:
         result["world_size"] = self.comm.world
         if self.comm_totals:
             result["comm"] = self.comm_totals
+        if self.comm_bits is not None:
+            result["comm_bits"] = [list(b) for b in self.comm_bits]
         if self.plan is not None:
             result["plan"] = self.plan.to_dict()
         if not self.writes:

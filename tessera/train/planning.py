@@ -60,12 +60,15 @@ def layer_choices(
     comm: Comm,
     options: StrategyOptions,
     resumed: dict[str, Any] | None = None,
+    auto_bits: bool = False,
 ) -> tuple[list[LayerChoice], Plan | None, StrategyPool | None]:
     """Each layer's strategy for a distributed run, the plan's record (None unless ``auto``
     planned) and the strategies it sharded. ``auto`` plans on a whole graph whose layers all run
     under more than one strategy; from part files, or with attention layers, it is partition.
     ``resumed`` is the plan of the checkpoint the run resumes from (``world`` and ``choices``):
-    ``auto`` trains with it, unplanned, when it is for this world size."""
+    ``auto`` trains with it, unplanned, when it is for this world size. ``auto_bits``
+    (``--comm-bits auto``): the plan also chooses each layer's exchange widths
+    (:func:`auto_bit_widths`); unplanned layers exchange 32-bit values."""
     choices = parse_strategy(cfg.strategy, cfg.layers)
     if choices is not None:
         return choices, None, None
@@ -75,6 +78,8 @@ def layer_choices(
                 "--pipeline-stages is read by the hybrid and tensor strategies only, and --strategy auto runs "
                 "partition parallelism for attention layers and from part files; drop --pipeline-stages"
             )
+        if auto_bits and comm.rank == 0:
+            log.info("--comm-bits auto: these layers run partition parallelism unplanned; they exchange 32-bit values")
         return [LayerChoice("partition")] * cfg.layers, None, None
     if resumed is not None and resumed["world"] == comm.world:
         rec = Plan(choices=tuple(resumed["choices"]), world=comm.world, source="checkpoint")
@@ -82,5 +87,15 @@ def layer_choices(
     if resumed is not None and comm.rank == 0:
         log.info("the checkpoint's plan is for %d ranks; planning the layers for %d", resumed["world"], comm.world)
     with torch.random.fork_rng():  # planning draws nothing from the run's random stream
-        rec, pool = plan_layers(comm, source, options, model_probe(model, cfg))
+        bits = auto_bit_widths(cfg) if auto_bits else None
+        rec, pool = plan_layers(comm, source, options, model_probe(model, cfg), bits, auto_bits=auto_bits)
     return plan_choices(rec), rec, pool
+
+
+def auto_bit_widths(cfg: TrainConfig) -> tuple[int, ...]:
+    """The exchange widths ``--comm-bits auto`` chooses among: 32, 8 and 4 bits, and 2 bits only
+    with label propagation. SuperGCN pairs int2 with label propagation and LayerNorm; measured
+    here (docs/design/quantized-exchange-accuracy.md), int8 and int4 train to fp32's accuracy,
+    int2 alone loses 2.4 points that label propagation partly recovers, and LayerNorm lowers
+    accuracy at every width, so it is not required."""
+    return (32, 8, 4, 2) if cfg.label_prop > 0 else (32, 8, 4)

@@ -81,6 +81,7 @@ class Setup:
     counts: dict[str, int]  # global split sizes
     plan: Plan | None = None  # the planner's record under --strategy auto
     feature_norm: str = "none"  # what --feature-norm did to the features: row or none
+    comm_bits: list[tuple[int, int]] | None = None  # each layer's (forward, backward) exchange bits
 
 
 def _dims(source: Graph | dict[str, Any]) -> tuple[int, int]:
@@ -209,10 +210,12 @@ def prepare(
     )
     edges = source.num_edges // comm.world if isinstance(source, Graph) else int(len(source["src"]))
     model.recompute = recomputes(cfg, rows, edges, in_dim)
+    auto_bits = cfg.comm_bits == "auto"
+    bits = 32 if isinstance(cfg.comm_bits, str) else cfg.comm_bits
     options = StrategyOptions(
-        cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages, cfg.groups
+        cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, bits, cfg.pipeline_stages, cfg.groups
     )
-    plan = None
+    plan, layer_bits = None, None
     # A distributed run renumbers the whole graph before planning and splitting it, so each rank's
     # rows (its part's vertices in increasing new id) come in locality order; shard.ids maps back.
     widths = [spec.aggregate_width for spec in model.describe()]
@@ -225,7 +228,8 @@ def prepare(
     if distributed:
         resumed = check_plan(checkpoint[1], checkpoint[0], model) if checkpoint is not None else None
         with phase("planning each layer (measuring kernels and exchanges)"):
-            choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed)
+            choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed, auto_bits)
+        layer_bits = [choice.options(options).exchange_bits() for choice in choices]
         for conv, choice in zip(model.layers, choices):
             conv.place(choice.aggregate_first)
         strategy = make_layer_strategy(comm, options, choices, pool)
@@ -271,4 +275,4 @@ def prepare(
         x = x.to(torch.bfloat16)
     operands = [strategy.operand(spec, i) for i, spec in enumerate(specs)]
     counts = {k: int(total[i]) for i, k in enumerate(SPLITS)}
-    return Setup(shard, x, model, strategy, operands, order, counts, plan, applied)
+    return Setup(shard, x, model, strategy, operands, order, counts, plan, applied, layer_bits)

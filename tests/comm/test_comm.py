@@ -84,6 +84,17 @@ def _exchange_checks(comm, rank, world):
                 "bytes_ok": log._bytes == {(0, direction, p, k): 2 * b for (_, _, p, k), b in expect.items()},
                 "rows": int(ref.shape[0]),
             }
+        # a width per direction: (8, 32) codes the forward exchange and leaves the backward one exact
+        log = CommLog(rank, world)
+        ex.configure((8, 32), log)
+        got_pair = ex.finish(ex.start(x, 0, direction))
+        width = (8, 32)[direction]
+        expect = {(0, direction, p, k): b for p, n in enumerate(send) if n for k, b in enumerate(block_bytes(n, 24, width))}  # fmt: skip
+        report[f"{direction}|pair"] = {
+            "exact": bool(torch.equal(got_pair, ref)),
+            "err": float((got_pair - ref).abs().max()) if ref.numel() else 0.0,
+            "bytes_ok": log._bytes == expect,
+        }
     return report
 
 
@@ -153,12 +164,24 @@ def test_quantized_exchange_matches_fp32_and_reuses_buffers(group_reports):
     # decoded rows are the fp32 exchange's within one step, the decoded buffer is reused, and the
     # log counts the block bytes twice (two calls).
     for rank, rep in enumerate(group_reports[EXCHANGE_WORLD]):
-        assert len(rep["exchange"]) == 4, (rank, rep["exchange"])
+        assert len(rep["exchange"]) == 6, (rank, rep["exchange"])
         for key, r in rep["exchange"].items():
+            if key.endswith("|pair"):
+                continue
             bits = int(key.split("|")[1])
             assert r["rows"] > 0, (rank, key)
             assert r["err"] <= 1 / (2**bits - 1) + 1e-6, (rank, key, r)
             assert r["same_buffer"] and r["bytes_ok"], (rank, key, r)
+
+
+def test_an_exchange_codes_each_direction_at_its_own_width(group_reports):
+    # configure((8, 32)): the forward exchange at 8 bits (within one step, 8-bit bytes logged),
+    # the backward one at 32 (bitwise the fp32 exchange's values, 32-bit bytes logged)
+    for rank, rep in enumerate(group_reports[EXCHANGE_WORLD]):
+        fwd, bwd = rep["exchange"]["0|pair"], rep["exchange"]["1|pair"]
+        assert fwd["bytes_ok"] and bwd["bytes_ok"], (rank, fwd, bwd)
+        assert 0 < fwd["err"] <= 1 / 255 + 1e-6, (rank, fwd)
+        assert bwd["exact"], (rank, bwd)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -161,6 +161,7 @@ def test_mixed_assignments_match_single_process_and_send_their_strategies_bytes(
         ("tensor,mystery", "unknown --strategy entry 'mystery'"),
         ("tensor@middle", "must be aggregate-first or transform-first"),
         ("partition:post:7", "bits in --strategy entry"),
+        ("partition:post:8/16", "or forward/backward bits such as 8/32"),
         ("tensor,", "empty entry"),
     ],
 )
@@ -176,7 +177,7 @@ def test_layer_choice_labels_round_trip():
     from tessera.parallel.mixed import parse_entry, parse_strategy
 
     base = StrategyOptions(remote_agg="pre", comm_bits=8)
-    for text in ("partition", "partition:post", "partition:pre:8", "tensor:4@transform-first", "tensor"):
+    for text in ("partition", "partition:post", "partition:pre:8", "tensor:4@transform-first", "tensor", "tensor:8/32"):
         choice = parse_entry(text)
         assert parse_entry(choice.label(base)).options(base) == choice.options(base), text
     assert parse_entry("partition").label(base) == "partition"

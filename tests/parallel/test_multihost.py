@@ -23,6 +23,7 @@ DATASETS = ("cora", "synthetic:small")
 #: the configuration also run through the CLI (``python -m tessera train`` under torchrun)
 CLI_RUN = ("synthetic:small", "auto")
 TIMEOUT_S = 240
+SLOW_LINK = "100mbit"
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,29 @@ def test_each_host_maps_one_read_only_graph(host_runs, dataset):
         maps.setdefault(res["host"], set()).add((fields[3], fields[4], fields[5]))
     assert all(len(files) == 1 for files in maps.values()), maps  # one file per host, every rank maps it
     assert len(set.union(*maps.values())) == HOSTS, maps  # two mappings, not four (nor one)
+
+
+def test_comm_bits_auto_quantizes_exchanges_across_a_slow_link(hosts_ready, datasets, tmp_path):
+    # 100 Mbit/s between the hosts: the planner's calibrated link makes 32-bit exchanges the bulk of
+    # a step, so --comm-bits auto takes a narrower width for some layer and logs each layer's choice
+    from tessera.parallel.base import StrategyOptions
+    from tessera.parallel.mixed import parse_entry
+
+    out = tmp_path / "run"
+    cli = ["-m", "tessera", "train", "--dataset", "synthetic:small", "--comm-bits", "auto", "--hidden", "16",
+           "--epochs", "2", "--patience", "0", "--checkpoint-every", "1000", "--no-progress", "--out", str(out)]  # fmt: skip
+    with EmulatedHosts(HOSTS, rate=SLOW_LINK) as hosts:
+        runs = hosts.run(cli, RANKS_PER_HOST, TIMEOUT_S, _env(datasets), tmp_path / "logs")
+    assert all(r.returncode == 0 for r in runs), _failed(runs)
+    result = json.loads((out / "result.json").read_text())
+    assert result["config"]["comm_bits"] == "auto" and result["epochs_run"] == 2
+    bits = [tuple(b) for b in result["comm_bits"]]
+    assert any(b != (32, 32) for b in bits), (bits, result["plan"]["choices"])
+    planned = [parse_entry(c).options(StrategyOptions()).exchange_bits() for c in result["plan"]["choices"]]
+    assert planned == bits, (planned, bits)
+    assert 'comm-bits = "auto"' in (out / "config.toml").read_text()
+    summary = "".join(r.stdout for r in runs)
+    assert any(f" fwd {bits[0][0]:>4} " in line for line in summary.splitlines()), summary[-2000:]
 
 
 if __name__ == "__main__":
