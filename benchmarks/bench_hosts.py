@@ -8,7 +8,9 @@ the median epoch time after the first epoch (``metrics.jsonl``), the data and pa
 exchanged per epoch (``result.json``) and the part of them sent between hosts (the per-pair
 counts of ``metrics.jsonl``), and each rank's peak RSS (``result.json``). Under ``auto`` the row
 names each layer's planned entry and the planner's modelled and measured step of the chosen
-candidates (summed over layers); the strategy ``auto+bits`` is ``auto`` with ``--comm-bits auto``
+candidates (summed over layers), and every row the measured exchange time per epoch (the slowest
+rank's, per layer and direction, summed) beside the plan's modelled exchange terms of its chosen
+candidates; the strategy ``auto+bits`` is ``auto`` with ``--comm-bits auto``
 (each layer's exchange widths planned too). Needs root and iproute2.
 
     python benchmarks/bench_hosts.py --dataset synthetic:small --epochs 3
@@ -69,6 +71,8 @@ def summarize(out: Path, ranks_per_host: int) -> dict[str, Any]:
     chosen = [next(c for c in la["candidates"] if c["label"] == la["choice"]) for la in plan.get("layers", [])]
     return {
         "plan": plan.get("choices"),
+        "exchange_ms": 1e3 * sum(map(sum, comm["exchange_s"])) / comm["epochs"] if comm.get("exchange_s") else None,
+        "modelled_comm_ms": sum(c["model_ms"]["comm"] for c in chosen) if chosen else None,
         "modelled_ms": sum(c["modelled_ms"] for c in chosen) if chosen else None,
         "measured_ms": sum(c["measured_ms"] for c in chosen)
         if chosen and all(c["measured_ms"] for c in chosen)
@@ -119,14 +123,15 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.dataset}, {args.model} hidden {args.hidden}, {args.hosts} hosts x {args.ranks_per_host} ranks, "
         f"{args.epochs} epochs (median epoch after the first)\n\n"
         "| link cap | strategy | runs exit 0 | epoch (ms) | MB sent / epoch (all ranks) | of which between hosts "
-        "| peak RSS per rank (MiB) | test acc | plan | planner modelled / measured step (ms) |\n"
-        "|---|---|---:|---:|---:|---:|---|---:|---|---|\n"
+        "| peak RSS per rank (MiB) | test acc | exchange ms / epoch (modelled) | plan "
+        "| planner modelled / measured step (ms) |\n"
+        "|---|---|---:|---:|---:|---:|---|---:|---|---|---|\n"
     )
     lines = []
     for r in rows:
         done = f"{r['completed']}/{r['runs']}"
         if not r["completed"]:
-            lines.append(f"| {r['cap']} | {r['strategy']} | {done} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['cap']} | {r['strategy']} | {done} | failed: {r['error']} | | | | | | | |")
             continue
         mb = "n/a" if r["mb_per_epoch"] is None else f"{r['mb_per_epoch']:.2f}"
         rss = "n/a" if not r["rss_mb"] else ", ".join(f"{m:.0f}" for m in r["rss_mb"])
@@ -138,9 +143,12 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             if r.get("modelled_ms") is None
             else f"{r['modelled_ms']:.1f} / " + ("-" if r.get("measured_ms") is None else f"{r['measured_ms']:.1f}")
         )
+        exchange = "" if r.get("exchange_ms") is None else f"{r['exchange_ms']:.1f}"
+        if r.get("modelled_comm_ms") is not None:
+            exchange += f" ({r['modelled_comm_ms']:.1f})"
         lines.append(
             f"| {r['cap']} | {r['strategy']} | {done} | {1e3 * r['epoch_s']:.1f} | {mb} | {cross} | {rss} | {acc} "
-            f"| {plan} | {steps} |"
+            f"| {exchange} | {plan} | {steps} |"
         )
     failures = [f"- {r['cap']} {r['strategy']}: {r['error']}" for r in rows if "error" in r]
     return head + "\n".join(lines) + "\n" + ("\nFailed runs:\n" + "\n".join(failures) + "\n" if failures else "")

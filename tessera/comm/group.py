@@ -86,6 +86,16 @@ class Comm:
         """In-place broadcast from member ``src``; returns ``t``."""
         return self._collective(t, lambda x: dist.broadcast(x, self.job_ranks()[src], group=self.group))
 
+    def host_indices(self) -> list[int]:
+        """Each member's host, numbered by first appearance in member order (a collective): ranks
+        on one host share its memory and its links."""
+        if self.world == 1:
+            return [0]
+        names: list[Any] = [None] * self.world
+        dist.all_gather_object(names, socket.gethostname(), group=self.group)
+        number: dict[str, int] = {}
+        return [number.setdefault(str(n), len(number)) for n in names]
+
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Every member's ``t`` (rows of the same width and dtype, any number per member) stacked in
         member order, on every member (``t`` itself for one rank): the row counts are exchanged

@@ -7,7 +7,9 @@ narrowest and widest the model aggregates at), the dense transform's FLOP rate, 
 writing one value of a freshly allocated tensor (under glibc's allocator a large block comes
 back from the OS on every allocation, so its first write page-faults and costs several times an
 in-place write: docs/design/planner-calibration.md), the latency and
-bandwidth of an ``all_to_all`` among the ranks (SuperGCN Eq. 2's ``L`` and ``BW``), and the
+bandwidth of an ``all_to_all`` among the ranks (SuperGCN Eq. 2's ``L`` and ``BW``; where the ranks
+sit on several hosts and some host holds more than one, apart for pairs on one host and for a
+host's shared link to the others: :func:`measure_links`), and the
 streaming-read bandwidth of the last-level cache and of main memory (NeutronAscend Alg. 1's
 fast and slow memory, whose ratio is its ``r``): a sum over a buffer that fits the rank's share of
 the cache, read repeatedly, against one over a buffer four times the cache. On CPU ranks the
@@ -54,10 +56,20 @@ class Rates(Record):
     fresh_value_s: float = 0.0
     cache_gbps: float = 0.0
     dram_gbps: float = 0.0
+    hosts: tuple[int, ...] = ()  # each rank's host; empty: one link for all pairs
+    inter_gbps: float = 0.0  # a host's shared link to the other hosts (0: not measured apart)
+    inter_latency_us: float = 0.0
 
     def comm(self) -> CommModel:
-        """SuperGCN's model with this link."""
-        return CommModel(self.bandwidth_gbps, self.latency_us, DEFAULT_QUANT_GBPS)
+        """SuperGCN's model with these links."""
+        return CommModel(
+            self.bandwidth_gbps,
+            self.latency_us,
+            DEFAULT_QUANT_GBPS,
+            tuple(self.hosts),
+            self.inter_gbps,
+            self.inter_latency_us,
+        )
 
     def aggregate_s(self, edges: float, width: int) -> float:
         """Seconds to aggregate ``edges`` edges at ``width``."""
@@ -220,13 +232,51 @@ def measure_link(comm: Comm, values: int = 1 << 20) -> tuple[float, float]:
     return bandwidth / 1e9, latency * 1e6
 
 
-def calibrate(graph: Graph, comm: Comm, backend: str = "auto", widths: tuple[int, int] = _WIDTHS) -> Rates:
+def two_links(hosts: list[int]) -> bool:
+    """Whether ranks on ``hosts`` have two kinds of pairs: on one host, and across hosts."""
+    return 1 < len(set(hosts)) < len(hosts)
+
+
+def measure_links(comm: Comm, hosts: list[int], values: int = 1 << 20) -> tuple[float, float, float, float]:
+    """``(bandwidth GB/s, latency us, inter-host bandwidth GB/s, inter-host latency us)``: with
+    :func:`two_links`, an ``all_to_all`` among each rank's peers on its host, then one among its
+    peers on other hosts, each with one value and ``values`` values per peer; the inter-host
+    bandwidth is per host (the bytes all its ranks send off it over the time: one shared link).
+    Otherwise one ``all_to_all`` among all ranks (:func:`measure_link`) and zeros."""
+    if not two_links(hosts):
+        return (*measure_link(comm, values), 0.0, 0.0)
+    me, p = comm.rank, comm.world
+    on_host = [hosts[q] == hosts[me] for q in range(p)]
+
+    def a2a(n: int, local: bool) -> Callable[[], None]:
+        splits = [n if q != me and on_host[q] == local else 0 for q in range(p)]  # symmetric: send = receive
+        src = torch.ones(sum(splits), device=comm.device)
+        dst = torch.empty(sum(splits), device=comm.device)
+        return lambda: dist.all_to_all_single(dst, src, splits, splits, group=comm.group)
+
+    sizes = [hosts.count(h) for h in range(max(hosts) + 1)]
+    local_peers = max(sizes) - 1
+    remote_peers = max(p - n for n in sizes)
+    leaving = max(n * (p - n) for n in sizes)  # values per message leaving the busiest host
+    latency = _best(a2a(1, True), comm) / local_peers
+    bandwidth = 4.0 * values * local_peers / _best(a2a(values, True), comm)
+    inter_latency = _best(a2a(1, False), comm) / remote_peers
+    inter_bandwidth = 4.0 * values * leaving / _best(a2a(values, False), comm)
+    return bandwidth / 1e9, latency * 1e6, inter_bandwidth / 1e9, inter_latency * 1e6
+
+
+def calibrate(
+    graph: Graph, comm: Comm, backend: str = "auto", widths: tuple[int, int] = _WIDTHS, hosts: list[int] | None = None
+) -> Rates:
     """Every constant of :class:`Rates`, measured on all ranks of ``comm`` (a collective), the
-    aggregation's at ``widths``."""
+    aggregation's at ``widths``; ``hosts`` (each rank's host, default :meth:`Comm.host_indices`)
+    decides whether the links are measured apart (:func:`measure_links`)."""
     edge_s, value_s, gemm, fresh = measure_compute(graph, comm.rank, comm.world, backend, comm, widths)
-    bw, lat = measure_link(comm)
-    cache, dram = measure_memory(comm, comm.world, comm.device)  # as if all ranks shared one host's cache
-    return Rates(edge_s, value_s, gemm, bw, lat, fresh, cache, dram)
+    hosts = comm.host_indices() if hosts is None else hosts
+    bw, lat, inter_bw, inter_lat = measure_links(comm, hosts)
+    cache, dram = measure_memory(comm, hosts.count(hosts[comm.rank]), comm.device)  # its host's ranks share a cache
+    kept = tuple(hosts) if two_links(hosts) else ()
+    return Rates(edge_s, value_s, gemm, bw, lat, fresh, cache, dram, kept, inter_bw, inter_lat)
 
 
 def local_rates(

@@ -65,7 +65,7 @@ from tessera.parallel.mixed import LayerChoice
 from tessera.parallel.tensor import column_bounds
 from tessera.planner.calibrate import Rates
 from tessera.planner.grouping import Algorithm1Terms, all_to_all_time, all_to_all_times
-from tessera.planner.model import exchange_time
+from tessera.planner.model import CommModel, exchange_time
 from tessera.planner.records import Record
 from tessera.planner.volume.common import row_width
 from tessera.sparse import LayerSpec
@@ -83,7 +83,14 @@ class Context:
     rates: Rates
     bits: tuple[int, ...] = (32,)
     auto_bits: bool = False
+    ranks: tuple[int, ...] | None = None  # the job rank standing for each part (None: part p is rank p)
     _memo: dict[str, Any] = field(default_factory=dict)
+
+    def link(self, parts=None) -> CommModel:
+        """The link model of an exchange among ``parts`` (default: all of this context's), their
+        ranks' hosts included where the rates know them."""
+        ranks = self.ranks if self.ranks is not None else tuple(range(self.world))
+        return self.rates.comm().among([ranks[int(q)] for q in (range(self.world) if parts is None else parts)])
 
     @property
     def counts(self) -> np.ndarray:
@@ -105,9 +112,13 @@ class Context:
         key = f"grouped-{groups}"
         if key not in self._memo:
             g = self.world // groups
+            # a column group's G-parts stand for ranks g M + c; column group 0's are the model's (with
+            # ranks numbered host by host, every column group's pairs are on one host or across alike)
+            ranks = self.ranks if self.ranks is not None else tuple(range(self.world))
             self._memo[key] = Context(
-                self.graph, g, self.part // groups, self.options, self.rates, self.bits, self.auto_bits
-            )
+                self.graph, g, self.part // groups, self.options, self.rates, self.bits, self.auto_bits,
+                tuple(ranks[q * groups] for q in range(g)),
+            )  # fmt: skip
         return self._memo[key]
 
     def pair_rows(self, mode: str) -> np.ndarray:
@@ -271,7 +282,7 @@ def partition_work(ctx: Context, mode: str) -> np.ndarray:
 def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> KindCost:
     o = choice.options(ctx.options)
     w, passes = spec.aggregate_width, 1 + backward
-    rows, m, sent = ctx.pair_rows(o.remote_agg), ctx.rates.comm(), row_width(spec)
+    rows, m, sent = ctx.pair_rows(o.remote_agg), ctx.link(), row_width(spec)
     fwd, bwd = o.exchange_bits()
     comm = exchange_time(rows, sent, fwd, m).time_s
     if backward:
@@ -292,9 +303,7 @@ def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
     w, passes = spec.aggregate_width, 1 + backward
     widest = -(-w // ctx.world)
     fwd, bwd = o.exchange_bits()
-    comm = sum(
-        all_to_all_time(ctx.counts, w, bits, ctx.rates.comm(), o.pipeline_stages) for bits in (fwd, bwd)[:passes]
-    )
+    comm = sum(all_to_all_time(ctx.counts, w, bits, ctx.link(), o.pipeline_stages) for bits in (fwd, bwd)[:passes])
     alg1 = algorithm1_terms(ctx, ctx.world, ctx.graph.num_edges, ctx.graph.num_nodes, w, passes)
     return KindCost(passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest), comm, alg1)
 
@@ -314,8 +323,9 @@ def _hybrid_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
 
 def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> KindCost:
     o = choice.options(ctx.options)
-    w, passes, m = spec.aggregate_width, 1 + backward, ctx.rates.comm()
+    w, passes = spec.aggregate_width, 1 + backward
     sub = ctx.grouped(o.groups)
+    m = sub.link()
     widest = int(np.diff(column_bounds(w, o.groups)).max())
     rows = sub.pair_rows(o.remote_agg)
     fwd, bwd = o.exchange_bits()
@@ -325,9 +335,13 @@ def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
     a2a = 0.0
     for bits in (fwd, bwd)[:passes]:
         key = f"all_to_all-{o.groups}-{w}-{bits}-{o.pipeline_stages}"
-        if key not in ctx._memo:  # the same for every mode; row groups of the same row counts cost the same
-            groups = np.unique(ctx.counts[hybrid_layout(ctx.world, o.groups)], axis=0)
-            per = [all_to_all_times(list(c), w, bits, m, o.pipeline_stages) for c in groups]
+        if key not in ctx._memo:  # the same for every mode
+            # row groups of the same row counts on the same hosts cost the same
+            distinct = {(tuple(ctx.counts[g]), ctx.link(g).hosts): g for g in hybrid_layout(ctx.world, o.groups)}
+            per = [
+                all_to_all_times(list(ctx.counts[g]), w, bits, ctx.link(g), o.pipeline_stages)
+                for g in distinct.values()
+            ]
             ctx._memo[key] = float(np.max(per, axis=0).sum())  # each all-to-all of all row groups at once
         a2a += ctx._memo[key]
     work = partition_work(sub, o.remote_agg)

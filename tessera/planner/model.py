@@ -13,6 +13,13 @@ For one exchange with ``rows[i, j]`` rows from rank ``i`` to rank ``j``, ``B_ij`
 so, as in the paper, a sender's critical path holds quantizing, sending and dequantizing its own
 messages (Eq. 8's ``2 alpha (1 + gamma)`` term); a single pair gives Eq. 8 exactly.
 
+Links of two speeds: where the model knows each rank's host (``CommModel.hosts``, ranks of several
+hosts with more than one rank on some), ``BW`` and ``L`` are the intra-host link's for pairs on one
+host, and a host's link to the others is one link its ranks share: sender ``i``'s term for its
+pairs on other hosts is the bytes *all ranks of its host* send off the host over the inter-host
+bandwidth, plus the inter-host latency per message of its own. (A ``tbf``-capped veth, or a NIC,
+is one queue for every process behind it.)
+
 Each exchange is an ``all_to_all`` every rank waits for, so an epoch's time is the sum over its
 exchanges of their ``T``. Local aggregation is not in the paper's model, nor here. ``T_pre`` is
 counted on forward exchanges whenever the model has LayerNorm (``norm="layer"``), at any bit width,
@@ -48,6 +55,19 @@ class CommModel(Record):
     bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
     latency_us: float = DEFAULT_LATENCY_US
     quant_gbps: float = DEFAULT_QUANT_GBPS
+    hosts: tuple[int, ...] = ()  # each rank's host (); empty: one link for every pair
+    inter_gbps: float = 0.0  # a host's link to the other hosts, shared by its ranks
+    inter_latency_us: float = 0.0
+
+    def among(self, ranks) -> CommModel:
+        """The model of an exchange among ``ranks`` only (its rows and columns in this order)."""
+        if not self.hosts:
+            return self
+        return replace(self, hosts=tuple(self.hosts[int(r)] for r in ranks))
+
+    def two_links(self) -> bool:
+        """Whether pairs on one host and pairs across hosts have links of their own here."""
+        return self.inter_gbps > 0 and len(set(self.hosts)) > 1 and len(set(self.hosts)) < len(self.hosts)
 
     def __post_init__(self) -> None:
         if not self.bandwidth_gbps > 0 or not self.quant_gbps > 0:
@@ -118,7 +138,20 @@ def sender_time(
     ``params`` bytes: (sum over peers of ``B_ij / BW + L``, quantize + dequantize streaming of
     its ``values`` fp32 values read and ``data_sent`` bytes written, b < 32)."""
     bw, th, lat = m.bandwidth_gbps * 1e9, m.quant_gbps * 1e9, m.latency_us * 1e-6
-    comm = (data + params).sum(axis=1) / bw + np.count_nonzero(data + params, axis=1) * lat
+    sent = data + params
+    if m.two_links() and len(m.hosts) == sent.shape[0]:
+        host = np.asarray(m.hosts)
+        same = host[:, None] == host[None, :]
+        local = np.where(same, sent, 0)
+        off_host = np.bincount(host, weights=np.where(same, 0, sent).sum(axis=1))  # bytes leaving each host
+        comm = (
+            local.sum(axis=1) / bw
+            + np.count_nonzero(local, axis=1) * lat
+            + off_host[host] / (m.inter_gbps * 1e9)
+            + np.count_nonzero(np.where(same, 0, sent), axis=1) * m.inter_latency_us * 1e-6
+        )
+    else:
+        comm = sent.sum(axis=1) / bw + np.count_nonzero(sent, axis=1) * lat
     quant = 2 * (4 * values + data_sent) / th if bits < 32 else np.zeros(comm.shape)
     return comm, quant
 

@@ -34,7 +34,7 @@ from tessera.files import atomic_write, default_cache_dir, foreign, read_json_ca
 from tessera.graph import Graph
 from tessera.parallel.base import StrategyOptions, row_split
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_entry
-from tessera.planner.calibrate import Rates, calibrate
+from tessera.planner.calibrate import Rates, calibrate, two_links
 from tessera.planner.candidates import AUTO_BITS_GAIN, Candidate, Context, Costs, layer_candidates, prune
 from tessera.planner.grouping import Algorithm1Terms
 from tessera.planner.records import Record, optional
@@ -190,9 +190,16 @@ def broadcast_json(comm: Comm, obj: Any) -> Any:
 
 
 def cache_key(
-    graph: Graph, world: int, options: StrategyOptions, probe: LayerProbe, bits, factor: float, auto_bits: bool = False
+    graph: Graph,
+    world: int,
+    options: StrategyOptions,
+    probe: LayerProbe,
+    bits,
+    factor: float,
+    auto_bits: bool = False,
+    hosts: list[int] | None = None,
 ) -> dict:
-    """Everything a cached plan depends on."""
+    """Everything a cached plan depends on (``hosts``: each rank's host, where links differ)."""
     return {
         "version": PLAN_VERSION,
         "graph": graph.fingerprint(),
@@ -201,6 +208,7 @@ def cache_key(
         "options": {k: getattr(options, k) for k in ("backend", "partition", "seed", "comm_bits", "pipeline_stages")},
         "bits": list(bits),
         "auto_bits": auto_bits,
+        "hosts": list(hosts) if hosts and two_links(hosts) else [],
         "factor": factor,
         "threads": torch.get_num_threads(),
     }
@@ -363,13 +371,14 @@ def plan_layers(
         comm.barrier()  # peers still loading their data are not planning
     t0 = time.perf_counter()
     bits = tuple(bits or (options.comm_bits,))
-    key = cache_key(graph, comm.world, options, probe, bits, factor if measure else 0.0, auto_bits)
+    hosts = comm.host_indices() if rates is None else list(rates.hosts)
+    key = cache_key(graph, comm.world, options, probe, bits, factor if measure else 0.0, auto_bits, hosts)
     pool = StrategyPool(comm, options)
     cached = broadcast_json(comm, _read_cached(key) if use_cache and comm.rank == 0 else None)
     if cached is not None:
         return replace(Plan.from_dict(cached), source="cache", planning_s=time.perf_counter() - t0), pool
     if rates is None:
-        rates = calibrate(graph, comm, options.backend, aggregate_widths(probe))
+        rates = calibrate(graph, comm, options.backend, aggregate_widths(probe), hosts)
     t_cal = time.perf_counter()
     part = row_split(graph, comm, options)
     modelled: list[LayerPlan] = []

@@ -331,6 +331,12 @@ def format_plan(rec: Plan, title: str = "") -> str:
         f"link {r.bandwidth_gbps:.2f} GB/s, latency {r.latency_us:.1f} us",
         f"memory: cache {r.cache_gbps:.1f} GB/s, main {r.dram_gbps:.1f} GB/s, r = {r.cache_ratio:.2f}",
     ]
+    if r.hosts:
+        lines.insert(
+            2,
+            f"hosts: {len(set(r.hosts))} (rank -> host {list(r.hosts)}); the link above is within a host, each "
+            f"host's shared link to the others {r.inter_gbps:.3f} GB/s, latency {r.inter_latency_us:.1f} us",
+        )
     head = (
         f"{'layer':>5}  {'candidate':<40} {'width':>5} {'bwd':>3} {'dense':>8} {'aggr':>8} {'comm':>8} {'memory':>8} "
         f"{'idle':>8} {'saved':>8} {'model ms':>9} {'measured':>9} {'meas/mod':>8}"

@@ -136,6 +136,11 @@ def test_comm_bits_auto_quantizes_exchanges_across_a_slow_link(hosts_ready, data
     planned = [parse_entry(c).options(StrategyOptions()).exchange_bits() for c in result["plan"]["choices"]]
     assert planned == bits, (planned, bits)
     assert 'comm-bits = "auto"' in (out / "config.toml").read_text()
+    # the planner measured the two links apart: each host's ranks numbered together, the capped
+    # link between the hosts (100 Mbit/s = 0.0125 GB/s; tbf lets a burst through) far below loopback
+    rates = result["plan"]["rates"]
+    assert rates["hosts"] in ([0, 0, 1, 1], [0, 1, 0, 1]) and len(set(rates["hosts"])) == HOSTS, rates
+    assert 0.004 < rates["inter_gbps"] < 0.04 and rates["bandwidth_gbps"] > 10 * rates["inter_gbps"], rates
     summary = "".join(r.stdout for r in runs)
     assert any(f" fwd {bits[0][0]:>4} " in line for line in summary.splitlines()), summary[-2000:]
 
