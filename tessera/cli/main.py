@@ -78,7 +78,7 @@ def package_version() -> str:
         return SOURCE_VERSION
 
 
-def _int_or_auto(text: str) -> int | str:
+def int_or_auto(text: str) -> int | str:
     """An integer flag value, or the word ``auto``."""
     if text == "auto":
         return text
@@ -187,14 +187,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--pipeline-stages",
-        type=int,
-        help="tensor strategy: row batches whose all-to-all back overlaps the next batch's aggregation (default 1)",
+        type=int_or_auto,
+        help="tensor and hybrid strategies: row batches whose all-to-all back overlaps the next batch's "
+        "aggregation, or auto: with --strategy auto the planner picks each layer's from 1, 2, 4, 8 (default 1)",
     )
     t.add_argument("--remote-agg", help="post | pre | prepost: how remote in-edges are aggregated (default prepost)")
     t.add_argument("--partition", help="metis | range | random (default metis)")
     t.add_argument(
         "--comm-bits",
-        type=_int_or_auto,
+        type=int_or_auto,
         help="bits per exchanged value: 32 | 8 | 4 | 2 (stochastic quantization), or auto: with --strategy auto the "
         "planner picks each layer's forward and backward widths where they save a fifth of its time (2 bits only "
         "with --label-prop; default 32)",

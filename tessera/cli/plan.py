@@ -28,6 +28,7 @@ the processes (the link constants then come from --bandwidth-gbps / --latency-us
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on an ``add_subparsers()`` object; returns its parser."""
+    from tessera.cli.main import int_or_auto
     from tessera.planner.model import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US
     from tessera.planner.plan import PRUNE_FACTOR
 
@@ -50,7 +51,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="32",
         help="exchange widths to consider, comma list from 32,8,4,2, or auto as train --comm-bits auto (default 32)",
     )
-    s.add_argument("--pipeline-stages", type=int, default=1, help="tensor strategy's stages (default 1)")
+    s.add_argument(
+        "--pipeline-stages", type=int_or_auto, default=1, help="tensor and hybrid stages, or auto (default 1)"
+    )
     s.add_argument("--partition", default="metis", help="metis | range | random (default metis)")
     s.add_argument("--seed", type=int, default=0, help="partition seed, as train --seed (default 0)")
     s.add_argument("--backend", default="auto", help="aggregation backend (default auto)")
@@ -139,7 +142,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             "--strategy auto runs it under partition parallelism, and --strategy partition or tensor choose by hand"
         )
     assert isinstance(cfg.comm_bits, int)
-    options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, cfg.pipeline_stages)
+    stages = 1 if cfg.pipeline_stages == "auto" else int(cfg.pipeline_stages)
+    options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, cfg.comm_bits, stages)
     probe = model_probe(model, cfg)
     factor = float("inf") if args.measure_all else args.prune
     if args.model_only or cfg.nprocs == 1:
@@ -164,6 +168,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _stages(cfg) -> tuple[int, ...]:
+    """The stage counts the plan considers: :data:`AUTO_STAGES` for ``--pipeline-stages auto``, else the run's."""
+    from tessera.planner.candidates import AUTO_STAGES
+
+    return AUTO_STAGES if cfg.pipeline_stages == "auto" else ()
+
+
 def _model_only(g, cfg, options, probe, bits, auto_bits, args) -> Plan:
     from tessera.graph.partition import partition
     from tessera.planner.calibrate import local_rates
@@ -175,7 +186,8 @@ def _model_only(g, cfg, options, probe, bits, auto_bits, args) -> Plan:
     link = CommModel(args.bandwidth_gbps, args.latency_us)
     rates = local_rates(g, cfg.nprocs, link, cfg.backend, aggregate_widths(probe))
     part = partition(g, cfg.nprocs, cfg.partition, cfg.seed)
-    rec = model_plan(Context(g, cfg.nprocs, part, options, rates, bits, auto_bits), probe)
+    ctx = Context(g, cfg.nprocs, part, options, rates, bits, auto_bits, None, _stages(cfg))
+    rec = model_plan(ctx, probe)
     return replace(rec, planning_s=time.perf_counter() - t0)
 
 
@@ -186,7 +198,9 @@ def _measured(g, cfg, options, probe, bits, auto_bits, factor, args) -> Plan | N
 
     comm = init_from_env(cfg.timeout)
     try:
-        rec, _ = plan_layers(comm, g, options, probe, bits, factor, use_cache=not args.no_cache, auto_bits=auto_bits)
+        rec, _ = plan_layers(
+            comm, g, options, probe, bits, factor, use_cache=not args.no_cache, auto_bits=auto_bits, stages=_stages(cfg)
+        )
     except BaseException:
         shutdown(clean=False)
         raise

@@ -7,10 +7,11 @@ give this rank the same rows in the same order, and hands each layer the operand
 strategy; the byte and time counters of all of them are summed into one log.
 
 An entry is ``NAME[:ARG...][@aggregate-first|@transform-first]``: ``partition`` (the run's
-``--remote-agg`` and ``--comm-bits``), ``partition:MODE`` or ``partition:MODE:BITS``, ``tensor``
-or ``tensor:BITS``, ``hybrid`` (the run's ``--groups``), ``hybrid:M``, ``hybrid:M:MODE`` or
-``hybrid:M:MODE:BITS``, where ``BITS`` is one width for both directions or the forward and
-backward exchanges' widths, ``8/32``. The suffix fixes WiseGraph's operation placement for that layer (which side
+``--remote-agg`` and ``--comm-bits``), ``partition:MODE`` or ``partition:MODE:BITS``, ``tensor``,
+``tensor:BITS`` or ``tensor:BITS:STAGES``, ``hybrid`` (the run's ``--groups``), ``hybrid:M``,
+``hybrid:M:MODE``, ``hybrid:M:MODE:BITS`` or ``hybrid:M:MODE:BITS:STAGES``, where ``BITS`` is one
+width for both directions or the forward and backward exchanges' widths, ``8/32``, and ``STAGES``
+the layer's ``--pipeline-stages``. The suffix fixes WiseGraph's operation placement for that layer (which side
 of the dense transform aggregates, and so the exchanged width); without it the layer aggregates
 the narrower side. A strategy adds its entry syntax with :func:`register_entry`.
 """
@@ -65,31 +66,42 @@ def _partition_args(args: list[str], entry: str) -> dict[str, Any]:
     return out
 
 
+def _stages(text: str, entry: str) -> dict[str, int]:
+    if not text.isdigit() or not 1 <= int(text) <= 1024:
+        raise ConfigError(f"pipeline stages in --strategy entry {entry!r} must be a whole number from 1 to 1024")
+    return {"pipeline_stages": int(text)}
+
+
 def _tensor_args(args: list[str], entry: str) -> dict[str, Any]:
-    if len(args) > 1:
-        raise ConfigError(f"--strategy entry {entry!r}: write tensor or tensor:BITS")
-    return _bits(args[0], entry) if args else {}
+    if len(args) > 2:
+        raise ConfigError(f"--strategy entry {entry!r}: write tensor, tensor:BITS or tensor:BITS:STAGES")
+    out: dict[str, Any] = _bits(args[0], entry) if args else {}
+    if len(args) == 2:
+        out.update(_stages(args[1], entry))
+    return out
 
 
 def _hybrid_args(args: list[str], entry: str) -> dict[str, Any]:
-    if len(args) > 3 or (args and not args[0].isdigit()) or (len(args) > 1 and args[1] not in _MODES):
+    if len(args) > 4 or (args and not args[0].isdigit()) or (len(args) > 1 and args[1] not in _MODES):
         raise ConfigError(
-            f"--strategy entry {entry!r}: write hybrid, hybrid:M, hybrid:M:MODE or hybrid:M:MODE:BITS "
-            "(M column groups dividing --nprocs, MODE post, pre or prepost)"
+            f"--strategy entry {entry!r}: write hybrid, hybrid:M, hybrid:M:MODE, hybrid:M:MODE:BITS or "
+            "hybrid:M:MODE:BITS:STAGES (M column groups dividing --nprocs, MODE post, pre or prepost)"
         )
     out: dict[str, Any] = {"groups": int(args[0])} if args else {}
     if len(args) > 1:
         out["remote_agg"] = args[1]
-    if len(args) == 3:
+    if len(args) > 2:
         out.update(_bits(args[2], entry))
+    if len(args) == 4:
+        out.update(_stages(args[3], entry))
     return out
 
 
 #: strategy name -> (the StrategyOptions fields its entry's ``:`` arguments set, in order; their parser)
 ENTRIES: dict[str, tuple[tuple[str, ...], Callable[[list[str], str], dict[str, Any]]]] = {
     "partition": (("remote_agg", "comm_bits"), _partition_args),
-    "tensor": (("comm_bits",), _tensor_args),
-    "hybrid": (("groups", "remote_agg", "comm_bits"), _hybrid_args),
+    "tensor": (("comm_bits", "pipeline_stages"), _tensor_args),
+    "hybrid": (("groups", "remote_agg", "comm_bits", "pipeline_stages"), _hybrid_args),
 }
 
 

@@ -64,7 +64,7 @@ from tessera.parallel.hybrid import hybrid_layout
 from tessera.parallel.mixed import LayerChoice
 from tessera.parallel.tensor import column_bounds
 from tessera.planner.calibrate import Rates
-from tessera.planner.grouping import Algorithm1Terms, all_to_all_time, all_to_all_times
+from tessera.planner.grouping import Algorithm1Terms, all_to_all_times
 from tessera.planner.model import CommModel, exchange_time
 from tessera.planner.records import Record
 from tessera.planner.volume.common import row_width
@@ -84,6 +84,7 @@ class Context:
     bits: tuple[int, ...] = (32,)
     auto_bits: bool = False
     ranks: tuple[int, ...] | None = None  # the job rank standing for each part (None: part p is rank p)
+    stages: tuple[int, ...] = ()  # pipeline stage counts tensor and hybrid choices come at (): the run's
     _memo: dict[str, Any] = field(default_factory=dict)
 
     def link(self, parts=None) -> CommModel:
@@ -117,7 +118,7 @@ class Context:
             ranks = self.ranks if self.ranks is not None else tuple(range(self.world))
             self._memo[key] = Context(
                 self.graph, g, self.part // groups, self.options, self.rates, self.bits, self.auto_bits,
-                tuple(ranks[q * groups] for q in range(g)),
+                tuple(ranks[q * groups] for q in range(g)), self.stages,
             )  # fmt: skip
         return self._memo[key]
 
@@ -263,6 +264,25 @@ def worth_its_bits(candidates: list[Candidate], base: StrategyOptions) -> list[C
     ]
 
 
+# ---------------------------------------------------------------------------------------- pipeline stages
+#: the stage counts ``--pipeline-stages auto`` considers
+AUTO_STAGES = (1, 2, 4, 8)
+
+
+def stage_overrides(ctx: Context) -> list[tuple[tuple[str, int], ...]]:
+    """The ``pipeline_stages`` override of each stage count a tensor or hybrid choice comes at:
+    none (the run's) unless the context lists counts (``--pipeline-stages auto``)."""
+    return [(("pipeline_stages", s),) for s in ctx.stages] if ctx.stages else [()]
+
+
+def pipelined_s(aggregate_s: float, back_s: list[float]) -> float:
+    """Seconds of one pipelined aggregation pass after its all-to-all into the feature split: the
+    ``s = len(back_s)`` row batches aggregated one after another (``aggregate_s / s`` each) while
+    batch ``k``'s all-to-all back (``back_s[k]``) runs beside batch ``k + 1``'s aggregation."""
+    step = aggregate_s / len(back_s)
+    return step + sum(max(step, b) for b in back_s[:-1]) + back_s[-1]
+
+
 # ---------------------------------------------------------------------------------------- partition
 def _partition_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
     modes = ("post",) if spec.edge_values else MODES  # attention gathers post rows whatever the mode
@@ -295,7 +315,9 @@ def _partition_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward
 
 # ---------------------------------------------------------------------------------------- tensor
 def _tensor_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
-    return [] if spec.edge_values else [LayerChoice("tensor", _with(b)) for b in bit_overrides(ctx)]
+    if spec.edge_values:
+        return []
+    return [LayerChoice("tensor", _with(b, *st)) for b in bit_overrides(ctx) for st in stage_overrides(ctx)]
 
 
 def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: bool) -> KindCost:
@@ -303,9 +325,13 @@ def _tensor_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
     w, passes = spec.aggregate_width, 1 + backward
     widest = -(-w // ctx.world)
     fwd, bwd = o.exchange_bits()
-    comm = sum(all_to_all_time(ctx.counts, w, bits, ctx.link(), o.pipeline_stages) for bits in (fwd, bwd)[:passes])
+    aggregate = ctx.rates.aggregate_s(ctx.graph.num_edges, widest)
+    comm = 0.0
+    for bits in (fwd, bwd)[:passes]:
+        into, *back = all_to_all_times(ctx.counts, w, bits, ctx.link(), o.pipeline_stages)
+        comm += into + pipelined_s(aggregate, back) - aggregate  # the pipeline's overlap shows as less comm
     alg1 = algorithm1_terms(ctx, ctx.world, ctx.graph.num_edges, ctx.graph.num_nodes, w, passes)
-    return KindCost(passes * ctx.rates.aggregate_s(ctx.graph.num_edges, widest), comm, alg1)
+    return KindCost(passes * aggregate, comm, alg1)
 
 
 # ---------------------------------------------------------------------------------------- hybrid
@@ -314,10 +340,11 @@ def _hybrid_choices(ctx: Context, spec: LayerSpec) -> list[LayerChoice]:
         return []
     groups = [m for m in range(2, ctx.world) if ctx.world % m == 0]
     return [
-        LayerChoice("hybrid", _with(b, ("groups", m), ("remote_agg", mode)))
+        LayerChoice("hybrid", _with(b, ("groups", m), ("remote_agg", mode), *st))
         for m in groups
         for mode in MODES
         for b in bit_overrides(ctx)
+        for st in stage_overrides(ctx)
     ]
 
 
@@ -332,6 +359,9 @@ def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
     halo = exchange_time(rows, widest, fwd, m).time_s
     if backward:
         halo += exchange_time(rows.T, widest, bwd, m).time_s
+    work = partition_work(sub, o.remote_agg)
+    busiest = int(np.argmax(work))
+    aggregate = ctx.rates.aggregate_s(work[busiest], widest)
     a2a = 0.0
     for bits in (fwd, bwd)[:passes]:
         key = f"all_to_all-{o.groups}-{w}-{bits}-{o.pipeline_stages}"
@@ -342,12 +372,11 @@ def _hybrid_cost(ctx: Context, choice: LayerChoice, spec: LayerSpec, backward: b
                 all_to_all_times(list(ctx.counts[g]), w, bits, ctx.link(g), o.pipeline_stages)
                 for g in distinct.values()
             ]
-            ctx._memo[key] = float(np.max(per, axis=0).sum())  # each all-to-all of all row groups at once
-        a2a += ctx._memo[key]
-    work = partition_work(sub, o.remote_agg)
-    busiest = int(np.argmax(work))
+            ctx._memo[key] = np.max(per, axis=0).tolist()  # each all-to-all of all row groups at once
+        into, *back = ctx._memo[key]
+        a2a += into + pipelined_s(aggregate, back) - aggregate
     alg1 = algorithm1_terms(ctx, o.groups, work[busiest], sub.counts[busiest], w, passes)
-    return KindCost(passes * ctx.rates.aggregate_s(work[busiest], widest), halo + a2a, alg1)
+    return KindCost(passes * aggregate, halo + a2a, alg1)
 
 
 register_kind(CandidateKind("partition", _partition_choices, _partition_cost))
@@ -398,10 +427,15 @@ def layer_candidates(ctx: Context, specs: dict[bool, LayerSpec], natural: bool, 
     return sorted(out, key=lambda c: c.modelled_s)
 
 
+#: the options a family's members differ in (:func:`prune`)
+FAMILY_FREE = ("remote_agg", "pipeline_stages")
+
+
 def prune(candidates: list[Candidate], factor: float, limit: int | None = None) -> list[Candidate]:
     """The candidates modelled within ``factor`` of the best; with ``limit``, only the modelled
-    best of each family (the same strategy, options and placement but the ``--remote-agg``
-    mode, whose exact bytes and work the model ranks better than a few noisy steps can) and at
+    best of each family (the same strategy, options and placement but the ``--remote-agg`` mode
+    and the pipeline stages, whose exact bytes, work and per-batch all-to-alls the model ranks
+    better than a few noisy steps can) and at
     most ``limit`` of them: the best, then the families of kinds at the ends (partition, tensor)
     before those ``between`` them (hybrid), each in modelled order (``candidates`` are sorted).
     Among near-ties, timing only the best-modelled few can miss an end that is the fastest in whole
@@ -415,7 +449,7 @@ def prune(candidates: list[Candidate], factor: float, limit: int | None = None) 
     for c in kept:
         ch = c.choice
         families.setdefault(
-            (ch.strategy, tuple(o for o in ch.overrides if o[0] != "remote_agg"), ch.aggregate_first), c
+            (ch.strategy, tuple(o for o in ch.overrides if o[0] not in FAMILY_FREE), ch.aggregate_first), c
         )
     first, *rest = families.values()
     rest.sort(key=lambda c: KINDS[c.kind].between)  # stable: modelled order within each group

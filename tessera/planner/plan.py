@@ -198,6 +198,7 @@ def cache_key(
     factor: float,
     auto_bits: bool = False,
     hosts: list[int] | None = None,
+    stages: tuple[int, ...] = (),
 ) -> dict:
     """Everything a cached plan depends on (``hosts``: each rank's host, where links differ)."""
     return {
@@ -209,6 +210,7 @@ def cache_key(
         "bits": list(bits),
         "auto_bits": auto_bits,
         "hosts": list(hosts) if hosts and two_links(hosts) else [],
+        "stages": list(stages),
         "factor": factor,
         "threads": torch.get_num_threads(),
     }
@@ -359,6 +361,7 @@ def plan_layers(
     use_cache: bool = True,
     rates: Rates | None = None,
     auto_bits: bool = False,
+    stages: tuple[int, ...] = (),
 ) -> tuple[Plan, StrategyPool]:
     """The plan of every layer (a collective: every rank calls it): ``(record, pool)`` where the
     record holds ``choices`` (one ``--strategy`` entry per layer), each layer's candidates with
@@ -366,13 +369,15 @@ def plan_layers(
     strategies it sharded (to train with, unsharded again for none). ``bits`` are the exchange
     widths to consider (default: the run's); ``auto_bits`` lets each layer's forward and backward
     exchanges take any of them where it saves enough (``--comm-bits auto``, :func:`pick_measured`);
-    ``measure`` False decides from the model alone; ``rates`` skips calibration (for the model alone)."""
+    ``stages`` lists the pipeline stage counts tensor and hybrid choices come at (``--pipeline-stages
+    auto``; empty: the run's); ``measure`` False decides from the model alone; ``rates`` skips
+    calibration (for the model alone)."""
     if comm.world > 1:
         comm.barrier()  # peers still loading their data are not planning
     t0 = time.perf_counter()
     bits = tuple(bits or (options.comm_bits,))
     hosts = comm.host_indices() if rates is None else list(rates.hosts)
-    key = cache_key(graph, comm.world, options, probe, bits, factor if measure else 0.0, auto_bits, hosts)
+    key = cache_key(graph, comm.world, options, probe, bits, factor if measure else 0.0, auto_bits, hosts, stages)
     pool = StrategyPool(comm, options)
     cached = broadcast_json(comm, _read_cached(key) if use_cache and comm.rank == 0 else None)
     if cached is not None:
@@ -385,7 +390,7 @@ def plan_layers(
     survivors: list[list[str]] = []
     if comm.rank == 0:
         modelled, survivors = modelled_layers(
-            Context(graph, comm.world, part, options, rates, bits, auto_bits), probe, factor, measure
+            Context(graph, comm.world, part, options, rates, bits, auto_bits, None, stages), probe, factor, measure
         )
     sent, survivors = broadcast_json(comm, [[la.to_dict() for la in modelled], survivors])
     layers = [LayerPlan.from_dict(la) for la in sent]

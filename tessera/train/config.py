@@ -58,7 +58,7 @@ class TrainConfig:
     parts_dir: str | None = None
     timeout: float = 300.0
     comm_bits: int | str = 32
-    pipeline_stages: int = 1
+    pipeline_stages: int | str = 1
     groups: int = 1
     norm: str = "none"
     label_prop: float = 0.0
@@ -77,7 +77,7 @@ class TrainConfig:
             if v is not None or not _optional(name):
                 setattr(self, name, typed(name, v))
         for name in INT_RANGES:
-            if getattr(self, name) is not None:
+            if getattr(self, name) is not None and getattr(self, name) != "auto":
                 check_range(name, getattr(self, name))
         for name in ("dropout", "lr", "weight_decay", "timeout", "label_prop"):
             if not math.isfinite(getattr(self, name)):
@@ -107,6 +107,13 @@ class TrainConfig:
                 self.comm_bits != "auto" or self.nprocs == 1 or parse_strategy(self.strategy, self.layers) is None,
                 f"--comm-bits auto lets the planner choose each layer's bits, but --strategy {self.strategy} "
                 "fixes the layers: use --strategy auto, or give the bits in the entries (partition:prepost:8/32)",
+            ),
+            (
+                self.pipeline_stages != "auto"
+                or self.nprocs == 1
+                or parse_strategy(self.strategy, self.layers) is None,
+                f"--pipeline-stages auto lets the planner choose each layer's stages, but --strategy {self.strategy} "
+                "fixes the layers: use --strategy auto, or give the stages in the entries (tensor:32:4)",
             ),
             (self.norm in ("none", "layer"), f"--norm must be none or layer, got {self.norm!r}"),
             (self.memory in MEMORY_MODES, f"--memory must be {' | '.join(MEMORY_MODES)}, got {self.memory!r}"),
@@ -297,7 +304,7 @@ def _optional(name: str) -> bool:
 
 
 #: integer settings that also take the word ``auto`` (the planner chooses)
-AUTO_INTS = ("comm_bits",)
+AUTO_INTS = ("comm_bits", "pipeline_stages")
 
 
 def typed(name: str, value: Any, where: str = "") -> Any:

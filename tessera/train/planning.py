@@ -14,6 +14,7 @@ from tessera.graph import Graph
 from tessera.nn.models import GNN
 from tessera.parallel.base import StrategyOptions
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_strategy
+from tessera.planner.candidates import AUTO_STAGES
 from tessera.planner.plan import LayerProbe, Plan, plan_choices, plan_layers
 from tessera.train.config import TrainConfig
 
@@ -61,6 +62,7 @@ def layer_choices(
     options: StrategyOptions,
     resumed: dict[str, Any] | None = None,
     auto_bits: bool = False,
+    auto_stages: bool = False,
 ) -> tuple[list[LayerChoice], Plan | None, StrategyPool | None]:
     """Each layer's strategy for a distributed run, the plan's record (None unless ``auto``
     planned) and the strategies it sharded. ``auto`` plans on a whole graph whose layers all run
@@ -68,7 +70,9 @@ def layer_choices(
     ``resumed`` is the plan of the checkpoint the run resumes from (``world`` and ``choices``):
     ``auto`` trains with it, unplanned, when it is for this world size. ``auto_bits``
     (``--comm-bits auto``): the plan also chooses each layer's exchange widths
-    (:func:`auto_bit_widths`); unplanned layers exchange 32-bit values."""
+    (:func:`auto_bit_widths`); unplanned layers exchange 32-bit values. ``auto_stages``
+    (``--pipeline-stages auto``): the plan chooses each tensor or hybrid layer's stage count too
+    (:data:`~tessera.planner.candidates.AUTO_STAGES`)."""
     choices = parse_strategy(cfg.strategy, cfg.layers)
     if choices is not None:
         return choices, None, None
@@ -88,7 +92,10 @@ def layer_choices(
         log.info("the checkpoint's plan is for %d ranks; planning the layers for %d", resumed["world"], comm.world)
     with torch.random.fork_rng():  # planning draws nothing from the run's random stream
         bits = auto_bit_widths(cfg) if auto_bits else None
-        rec, pool = plan_layers(comm, source, options, model_probe(model, cfg), bits, auto_bits=auto_bits)
+        stages = AUTO_STAGES if auto_stages else ()
+        rec, pool = plan_layers(
+            comm, source, options, model_probe(model, cfg), bits, auto_bits=auto_bits, stages=stages
+        )
     return plan_choices(rec), rec, pool
 
 

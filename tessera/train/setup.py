@@ -210,11 +210,10 @@ def prepare(
     )
     edges = source.num_edges // comm.world if isinstance(source, Graph) else int(len(source["src"]))
     model.recompute = recomputes(cfg, rows, edges, in_dim)
-    auto_bits = cfg.comm_bits == "auto"
+    auto_bits, auto_stages = cfg.comm_bits == "auto", cfg.pipeline_stages == "auto"
     bits = 32 if isinstance(cfg.comm_bits, str) else cfg.comm_bits
-    options = StrategyOptions(
-        cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, bits, cfg.pipeline_stages, cfg.groups
-    )
+    stages = 1 if isinstance(cfg.pipeline_stages, str) else cfg.pipeline_stages
+    options = StrategyOptions(cfg.backend, cfg.remote_agg, cfg.partition, cfg.seed, bits, stages, cfg.groups)
     plan, layer_bits = None, None
     # A distributed run renumbers the whole graph before planning and splitting it, so each rank's
     # rows (its part's vertices in increasing new id) come in locality order; shard.ids maps back.
@@ -228,7 +227,7 @@ def prepare(
     if distributed:
         resumed = check_plan(checkpoint[1], checkpoint[0], model) if checkpoint is not None else None
         with phase("planning each layer (measuring kernels and exchanges)"):
-            choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed, auto_bits)
+            choices, plan, pool = layer_choices(cfg, model, source, comm, options, resumed, auto_bits, auto_stages)
         layer_bits = [choice.options(options).exchange_bits() for choice in choices]
         for conv, choice in zip(model.layers, choices):
             conv.place(choice.aggregate_first)

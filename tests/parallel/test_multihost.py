@@ -120,11 +120,12 @@ def test_each_host_maps_one_read_only_graph(host_runs, dataset):
 def test_comm_bits_auto_quantizes_exchanges_across_a_slow_link(hosts_ready, datasets, tmp_path):
     # 100 Mbit/s between the hosts: the planner's calibrated link makes 32-bit exchanges the bulk of
     # a step, so --comm-bits auto takes a narrower width for some layer and logs each layer's choice
+    # (with --pipeline-stages auto beside it: tensor and hybrid candidates at 1, 2, 4, 8 stages)
     from tessera.parallel.base import StrategyOptions
     from tessera.parallel.mixed import parse_entry
 
     out = tmp_path / "run"
-    cli = ["-m", "tessera", "train", "--dataset", "synthetic:small", "--comm-bits", "auto", "--hidden", "16",
+    cli = ["-m", "tessera", "train", "--dataset", "synthetic:small", "--comm-bits", "auto", "--pipeline-stages", "auto", "--hidden", "16",
            "--epochs", "2", "--patience", "0", "--checkpoint-every", "1000", "--no-progress", "--out", str(out)]  # fmt: skip
     with EmulatedHosts(HOSTS, rate=SLOW_LINK) as hosts:
         runs = hosts.run(cli, RANKS_PER_HOST, TIMEOUT_S, _env(datasets), tmp_path / "logs")
@@ -136,6 +137,7 @@ def test_comm_bits_auto_quantizes_exchanges_across_a_slow_link(hosts_ready, data
     planned = [parse_entry(c).options(StrategyOptions()).exchange_bits() for c in result["plan"]["choices"]]
     assert planned == bits, (planned, bits)
     assert 'comm-bits = "auto"' in (out / "config.toml").read_text()
+    assert 'pipeline-stages = "auto"' in (out / "config.toml").read_text()
     # the planner measured the two links apart: each host's ranks numbered together, the capped
     # link between the hosts (100 Mbit/s = 0.0125 GB/s; tbf lets a burst through) far below loopback
     rates = result["plan"]["rates"]
