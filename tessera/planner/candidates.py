@@ -85,13 +85,16 @@ class Context:
     auto_bits: bool = False
     ranks: tuple[int, ...] | None = None  # the job rank standing for each part (None: part p is rank p)
     stages: tuple[int, ...] = ()  # pipeline stage counts tensor and hybrid choices come at (): the run's
+    shares: tuple[int, ...] | None = None  # per part: same-shaped exchanges through its host link at once
     _memo: dict[str, Any] = field(default_factory=dict)
 
     def link(self, parts=None) -> CommModel:
         """The link model of an exchange among ``parts`` (default: all of this context's), their
         ranks' hosts included where the rates know them."""
         ranks = self.ranks if self.ranks is not None else tuple(range(self.world))
-        return self.rates.comm().among([ranks[int(q)] for q in (range(self.world) if parts is None else parts)])
+        chosen = [int(q) for q in (range(self.world) if parts is None else parts)]
+        shares = None if self.shares is None else [self.shares[q] for q in chosen]
+        return self.rates.comm().among([ranks[q] for q in chosen], shares)
 
     @property
     def counts(self) -> np.ndarray:
@@ -114,11 +117,19 @@ class Context:
         if key not in self._memo:
             g = self.world // groups
             # a column group's G-parts stand for ranks g M + c; column group 0's are the model's (with
-            # ranks numbered host by host, every column group's pairs are on one host or across alike)
+            # ranks numbered host by host, every column group's pairs are on one host or across
+            # alike), and the column groups whose G-part g is on the same host exchange beside it
             ranks = self.ranks if self.ranks is not None else tuple(range(self.world))
+            hosts = self.rates.hosts
+            shares = None
+            if hosts:
+                shares = tuple(
+                    sum(hosts[ranks[q * groups + c]] == hosts[ranks[q * groups]] for c in range(groups))
+                    for q in range(g)
+                )
             self._memo[key] = Context(
                 self.graph, g, self.part // groups, self.options, self.rates, self.bits, self.auto_bits,
-                tuple(ranks[q * groups] for q in range(g)), self.stages,
+                tuple(ranks[q * groups] for q in range(g)), self.stages, shares,
             )  # fmt: skip
         return self._memo[key]
 

@@ -13,12 +13,14 @@ For one exchange with ``rows[i, j]`` rows from rank ``i`` to rank ``j``, ``B_ij`
 so, as in the paper, a sender's critical path holds quantizing, sending and dequantizing its own
 messages (Eq. 8's ``2 alpha (1 + gamma)`` term); a single pair gives Eq. 8 exactly.
 
-Links of two speeds: where the model knows each rank's host (``CommModel.hosts``, ranks of several
-hosts with more than one rank on some), ``BW`` and ``L`` are the intra-host link's for pairs on one
-host, and a host's link to the others is one link its ranks share: sender ``i``'s term for its
-pairs on other hosts is the bytes *all ranks of its host* send off the host over the inter-host
-bandwidth, plus the inter-host latency per message of its own. (A ``tbf``-capped veth, or a NIC,
-is one queue for every process behind it.)
+Links of two speeds: where the model knows each rank's host (``CommModel.hosts``, with an
+inter-host link measured), ``BW`` and ``L`` are the intra-host link's for pairs on one host, and a
+host's link to the others is one link its ranks share: sender ``i``'s term for its pairs on other
+hosts is the bytes *all ranks of its host* send off the host over the inter-host bandwidth, plus
+the inter-host latency per message of its own. (A ``tbf``-capped veth, or a NIC, is one queue for
+every process behind it.) ``shares[i]`` counts the exchanges of the same shape that run at once
+through ``i``'s host link beside ``i``'s own (hybrid's column groups each exchange their halo at
+the same time), so a host's off-host bytes are each sender's times its ``shares``.
 
 Each exchange is an ``all_to_all`` every rank waits for, so an epoch's time is the sum over its
 exchanges of their ``T``. Local aggregation is not in the paper's model, nor here. ``T_pre`` is
@@ -58,16 +60,19 @@ class CommModel(Record):
     hosts: tuple[int, ...] = ()  # each rank's host (); empty: one link for every pair
     inter_gbps: float = 0.0  # a host's link to the other hosts, shared by its ranks
     inter_latency_us: float = 0.0
+    shares: tuple[int, ...] = ()  # per rank: same-shaped exchanges through its host link at once (): 1
 
-    def among(self, ranks) -> CommModel:
-        """The model of an exchange among ``ranks`` only (its rows and columns in this order)."""
+    def among(self, ranks, shares=None) -> CommModel:
+        """The model of an exchange among ``ranks`` only (its rows and columns in this order),
+        each with ``shares`` exchanges like it through its host's link (default 1)."""
         if not self.hosts:
             return self
-        return replace(self, hosts=tuple(self.hosts[int(r)] for r in ranks))
+        kept = tuple(self.hosts[int(r)] for r in ranks)
+        return replace(self, hosts=kept, shares=tuple(int(s) for s in shares) if shares is not None else ())
 
     def two_links(self) -> bool:
-        """Whether pairs on one host and pairs across hosts have links of their own here."""
-        return self.inter_gbps > 0 and len(set(self.hosts)) > 1 and len(set(self.hosts)) < len(self.hosts)
+        """Whether the hosts of the ranks are known, with a link between hosts of its own."""
+        return self.inter_gbps > 0 and len(self.hosts) > 0
 
     def __post_init__(self) -> None:
         if not self.bandwidth_gbps > 0 or not self.quant_gbps > 0:
@@ -143,7 +148,8 @@ def sender_time(
         host = np.asarray(m.hosts)
         same = host[:, None] == host[None, :]
         local = np.where(same, sent, 0)
-        off_host = np.bincount(host, weights=np.where(same, 0, sent).sum(axis=1))  # bytes leaving each host
+        shares = np.asarray(m.shares, dtype=np.float64) if m.shares else np.ones(host.size)
+        off_host = np.bincount(host, weights=np.where(same, 0, sent).sum(axis=1) * shares)  # bytes leaving each host
         comm = (
             local.sum(axis=1) / bw
             + np.count_nonzero(local, axis=1) * lat
