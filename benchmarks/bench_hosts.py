@@ -8,9 +8,9 @@ the median epoch time after the first epoch (``metrics.jsonl``), the data and pa
 exchanged per epoch (``result.json``) and the part of them sent between hosts (the per-pair
 counts of ``metrics.jsonl``), and each rank's peak RSS (``result.json``). Under ``auto`` the row
 names each layer's planned entry and the planner's modelled and measured step of the chosen
-candidates (summed over layers), and every row the measured exchange time per epoch (the slowest
-rank's, per layer and direction, summed) beside the plan's modelled exchange terms of its chosen
-candidates; the strategy ``auto+bits`` is ``auto`` with ``--comm-bits auto``
+candidates (summed over layers), and every row the measured exchange time per epoch (per layer
+and direction the slowest rank's, summed; and the last rank to arrive's, which waits for no peer:
+the transfer itself) beside the plan's modelled exchange terms of its chosen candidates; the strategy ``auto+bits`` is ``auto`` with ``--comm-bits auto``
 (each layer's exchange widths planned too). Needs root and iproute2.
 
     python benchmarks/bench_hosts.py --dataset synthetic:small --epochs 3
@@ -59,6 +59,13 @@ def cross_host_bytes(epoch: dict[str, Any], ranks_per_host: int) -> int:
     return total
 
 
+def _transfer_ms(epochs: list[dict[str, Any]]) -> float | None:
+    """Median over ``epochs`` of the exchange time without waiting for late peers: per layer and
+    direction the least of the ranks' times (the last rank to arrive waits for no one), summed."""
+    per = [sum(min(ranks) for layer in e["comm"]["exchange_s"] for ranks in layer) for e in epochs if e.get("comm")]
+    return 1e3 * statistics.median(per) if per else None
+
+
 def summarize(out: Path, ranks_per_host: int) -> dict[str, Any]:
     """Median epoch time (after the first), bytes per epoch (all, and between hosts) and per-rank
     peak RSS of the run in ``out``."""
@@ -72,6 +79,7 @@ def summarize(out: Path, ranks_per_host: int) -> dict[str, Any]:
     return {
         "plan": plan.get("choices"),
         "exchange_ms": 1e3 * sum(map(sum, comm["exchange_s"])) / comm["epochs"] if comm.get("exchange_s") else None,
+        "transfer_ms": _transfer_ms(epochs[1:] or epochs),
         "modelled_comm_ms": sum(c["model_ms"]["comm"] for c in chosen) if chosen else None,
         "modelled_ms": sum(c["modelled_ms"] for c in chosen) if chosen else None,
         "measured_ms": sum(c["measured_ms"] for c in chosen)
@@ -85,10 +93,27 @@ def summarize(out: Path, ranks_per_host: int) -> dict[str, Any]:
     }
 
 
+def plan_cache(work: Path, cap: str) -> Path:
+    """A cache directory of its own for the runs at ``cap``: plans are cached by graph, model and
+    host layout, not by link speed, so each cap plans afresh; every other entry of the real cache
+    (generated graphs, partitions, kernel choices) is shared through links."""
+    from tessera.files import default_cache_dir
+
+    real = default_cache_dir()
+    real.mkdir(parents=True, exist_ok=True)
+    cache = work / f"cache-{cap}"
+    cache.mkdir()
+    for entry in real.iterdir():
+        if entry.name != "plans":
+            (cache / entry.name).symlink_to(entry)
+    return cache
+
+
 def run_cap(args: argparse.Namespace, cap: str, work: Path) -> list[dict[str, Any]]:
     """Every strategy's row at link cap ``cap`` (``none``: uncapped), each run ``--repeats`` times:
     the row counts the runs whose every host exited 0 and summarizes the last of them."""
     rows = []
+    env = {"TESSERA_CACHE": str(plan_cache(work, cap))}
     with EmulatedHosts(args.hosts, None if cap == "none" else cap) as hosts:
         for strategy in args.strategies.split(","):
             row: dict[str, Any] = {"cap": cap, "strategy": strategy, "completed": 0, "runs": args.repeats}
@@ -96,7 +121,7 @@ def run_cap(args: argparse.Namespace, cap: str, work: Path) -> list[dict[str, An
             for i in range(args.repeats):
                 out = work / f"{cap}-{strategy}-{i}"
                 runs = hosts.run(
-                    train_args(args, strategy, out), args.ranks_per_host, args.timeout, log_dir=out / "logs"
+                    train_args(args, strategy, out), args.ranks_per_host, args.timeout, env, log_dir=out / "logs"
                 )
                 if all(r.returncode == 0 for r in runs):
                     row["completed"] += 1
@@ -123,7 +148,7 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"{args.dataset}, {args.model} hidden {args.hidden}, {args.hosts} hosts x {args.ranks_per_host} ranks, "
         f"{args.epochs} epochs (median epoch after the first)\n\n"
         "| link cap | strategy | runs exit 0 | epoch (ms) | MB sent / epoch (all ranks) | of which between hosts "
-        "| peak RSS per rank (MiB) | test acc | exchange ms / epoch (modelled) | plan "
+        "| peak RSS per rank (MiB) | test acc | exchange ms / epoch: slowest / last to arrive (modelled) | plan "
         "| planner modelled / measured step (ms) |\n"
         "|---|---|---:|---:|---:|---:|---|---:|---|---|---|\n"
     )
@@ -143,9 +168,11 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             if r.get("modelled_ms") is None
             else f"{r['modelled_ms']:.1f} / " + ("-" if r.get("measured_ms") is None else f"{r['measured_ms']:.1f}")
         )
-        exchange = "" if r.get("exchange_ms") is None else f"{r['exchange_ms']:.1f}"
+        exchange = "" if r.get("exchange_ms") is None else f"{r['exchange_ms']:.0f}"
+        if r.get("transfer_ms") is not None:
+            exchange += f" / {r['transfer_ms']:.0f}"
         if r.get("modelled_comm_ms") is not None:
-            exchange += f" ({r['modelled_comm_ms']:.1f})"
+            exchange += f" ({r['modelled_comm_ms']:.0f})"
         lines.append(
             f"| {r['cap']} | {r['strategy']} | {done} | {1e3 * r['epoch_s']:.1f} | {mb} | {cross} | {rss} | {acc} "
             f"| {exchange} | {plan} | {steps} |"
