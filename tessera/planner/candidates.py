@@ -116,9 +116,10 @@ class Context:
         key = f"grouped-{groups}"
         if key not in self._memo:
             g = self.world // groups
-            # a column group's G-parts stand for ranks g M + c; column group 0's are the model's (with
-            # ranks numbered host by host, every column group's pairs are on one host or across
-            # alike), and the column groups whose G-part g is on the same host exchange beside it
+            # a column group's G-parts stand for ranks g M + c; column group 0's are the model's, and
+            # the column groups whose G-part g is on the same host exchange beside it. Exact where
+            # ranks are numbered host by host and M divides the ranks per host (or they divide M);
+            # otherwise column groups differ in which pairs cross and this is an approximation
             ranks = self.ranks if self.ranks is not None else tuple(range(self.world))
             hosts = self.rates.hosts
             shares = None
@@ -438,17 +439,22 @@ def layer_candidates(ctx: Context, specs: dict[bool, LayerSpec], natural: bool, 
     return sorted(out, key=lambda c: c.modelled_s)
 
 
-#: the options a family's members differ in (:func:`prune`)
+#: the options a family's members differ in (:func:`prune`); under ``--comm-bits auto`` the bit
+#: widths too, so that the measured slots go to strategies, not to widths of one
 FAMILY_FREE = ("remote_agg", "pipeline_stages")
+BIT_FIELDS = ("comm_bits", "grad_bits")
 
 
-def prune(candidates: list[Candidate], factor: float, limit: int | None = None) -> list[Candidate]:
+def prune(
+    candidates: list[Candidate], factor: float, limit: int | None = None, free: tuple[str, ...] = FAMILY_FREE
+) -> list[Candidate]:
     """The candidates modelled within ``factor`` of the best; with ``limit``, only the modelled
     best of each family (the same strategy, options and placement but the ``--remote-agg`` mode
     and the pipeline stages, whose exact bytes, work and per-batch all-to-alls the model ranks
     better than a few noisy steps can) and at
     most ``limit`` of them: the best, then the families of kinds at the ends (partition, tensor)
     before those ``between`` them (hybrid), each in modelled order (``candidates`` are sorted).
+    ``free`` names the options a family's members differ in.
     Among near-ties, timing only the best-modelled few can miss an end that is the fastest in whole
     epochs; hybrid's terms lie between the ends', so the ends go first
     (docs/design/planner-calibration.md)."""
@@ -459,9 +465,7 @@ def prune(candidates: list[Candidate], factor: float, limit: int | None = None) 
     families: dict[tuple, Candidate] = {}
     for c in kept:
         ch = c.choice
-        families.setdefault(
-            (ch.strategy, tuple(o for o in ch.overrides if o[0] not in FAMILY_FREE), ch.aggregate_first), c
-        )
+        families.setdefault((ch.strategy, tuple(o for o in ch.overrides if o[0] not in free), ch.aggregate_first), c)
     first, *rest = families.values()
     rest.sort(key=lambda c: KINDS[c.kind].between)  # stable: modelled order within each group
     return [first, *rest][:limit]

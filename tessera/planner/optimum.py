@@ -28,7 +28,7 @@ from tessera.parallel.base import StrategyOptions
 from tessera.parallel.hybrid import hybrid_layout
 from tessera.parallel.mixed import LayerChoice
 from tessera.parallel.tensor import column_bounds, exchange_blocks
-from tessera.planner.candidates import Context
+from tessera.planner.candidates import Context, partition_work, pipelined_s
 from tessera.planner.model import CommModel, blocks_sender_s
 from tessera.planner.plan import LayerProbe, Plan, model_layers
 from tessera.planner.records import Record
@@ -83,12 +83,19 @@ def _partition_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) ->
 
 
 def _tensor_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> float:
-    blocks = exchange_blocks(sim.vol.owned, width, o.pipeline_stages)
-    return (1 + back) * sum(_slowest(r, w, o.comm_bits, sim.link) for r, w in blocks)
+    into, *returns = [_slowest(r, w, o.comm_bits, sim.link) for r, w in exchange_blocks(sim.vol.owned, width, o.pipeline_stages)]  # fmt: skip
+    aggregate = sim.ctx.rates.aggregate_s(sim.ctx.graph.num_edges, -(-width // sim.world))
+    return (1 + back) * (into + pipelined_s(aggregate, returns) - aggregate)  # the planner's overlap
 
 
 def _hybrid_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> float:
-    a2a = sim.memo(("a2a", o.groups, width, o.comm_bits, o.pipeline_stages), lambda: _row_groups_s(sim, o, width))
+    into, *returns = sim.memo(
+        ("a2a", o.groups, width, o.comm_bits, o.pipeline_stages), lambda: _row_groups_s(sim, o, width)
+    )
+    sub = sim.ctx.grouped(o.groups)
+    work = partition_work(sub, o.remote_agg).max()
+    aggregate = sim.ctx.rates.aggregate_s(work, int(np.diff(column_bounds(width, o.groups)).max()))
+    a2a = into + pipelined_s(aggregate, returns) - aggregate  # the planner's overlap
     halo = sim.halo_rows(o.groups, o.remote_agg)
     # the halo exchange of every column group at once, each at its column slice's width
     slices = {int(w) for w in np.diff(column_bounds(width, o.groups)) if w}
@@ -98,14 +105,14 @@ def _hybrid_s(sim: _Simulated, o: StrategyOptions, width: int, back: bool) -> fl
     return total
 
 
-def _row_groups_s(sim: _Simulated, o: StrategyOptions, width: int) -> float:
+def _row_groups_s(sim: _Simulated, o: StrategyOptions, width: int) -> list[float]:
     """Every row group's all-to-alls at once, one after another: each the slowest sender of all
-    groups (groups of the same row counts send the same)."""
+    groups (groups of the same row counts send the same), in order."""
     groups = np.unique(sim.vol.owned[hybrid_layout(sim.world, o.groups)], axis=0)
     per = [
         [_slowest(r, w, o.comm_bits, sim.link) for r, w in exchange_blocks(c, width, o.pipeline_stages)] for c in groups
     ]
-    return float(np.max(per, axis=0).sum())
+    return np.max(per, axis=0).tolist()
 
 
 #: strategy -> its candidates' communication seconds from the simulator's blocks

@@ -34,8 +34,18 @@ from tessera.files import atomic_write, default_cache_dir, foreign, read_json_ca
 from tessera.graph import Graph
 from tessera.parallel.base import StrategyOptions, row_split
 from tessera.parallel.mixed import LayerChoice, StrategyPool, parse_entry
-from tessera.planner.calibrate import Rates, calibrate, two_links
-from tessera.planner.candidates import AUTO_BITS_GAIN, Candidate, Context, Costs, layer_candidates, prune
+from tessera.planner.calibrate import Rates, calibrate
+from tessera.planner.candidates import (
+    AUTO_BITS_GAIN,
+    BIT_FIELDS,
+    FAMILY_FREE,
+    Candidate,
+    Context,
+    Costs,
+    choice_bits,
+    layer_candidates,
+    prune,
+)
 from tessera.planner.grouping import Algorithm1Terms
 from tessera.planner.records import Record, optional
 from tessera.sparse import LayerSpec, Operand
@@ -159,7 +169,7 @@ class Plan(Record):
             key=d.get("key"),
             choices=tuple(d["choices"]),
             layers=None if layers is None else tuple(LayerPlan.from_dict(la) for la in layers),
-            rates=None if rates is None else Rates(**rates),
+            rates=None if rates is None else Rates(**{**rates, "hosts": tuple(rates.get("hosts", ()))}),
             world=d["world"],
             factor=d.get("factor"),
             measured=d.get("measured"),
@@ -209,7 +219,7 @@ def cache_key(
         "options": {k: getattr(options, k) for k in ("backend", "partition", "seed", "comm_bits", "pipeline_stages")},
         "bits": list(bits),
         "auto_bits": auto_bits,
-        "hosts": list(hosts) if hosts and two_links(hosts) else [],
+        "hosts": list(hosts) if hosts and len(set(hosts)) > 1 else [],
         "stages": list(stages),
         "factor": factor,
         "threads": torch.get_num_threads(),
@@ -282,9 +292,14 @@ def modelled_layers(
     the survivors (within ``factor`` of the best; only the best when not measuring); each layer's
     ``choice`` is its modelled best until measured."""
     layers, survivors = [], []
+    free = FAMILY_FREE + BIT_FIELDS if ctx.auto_bits else FAMILY_FREE
     for i, cands in enumerate(model_layers(ctx, probe)):
         limit = None if factor == float("inf") else MAX_MEASURED
-        keep = {c.label for c in (prune(cands, factor, limit) if measure else cands[:1])}
+        keep = {c.label for c in (prune(cands, factor, limit, free) if measure else cands[:1])}
+        if measure and ctx.auto_bits:  # a narrower width must measure against the best full-width step
+            full = next((c for c in cands if choice_bits(c.choice, ctx.options) == (32, 32)), None)
+            if full is not None:
+                keep.add(full.label)
         rows = tuple(CandidateRow.of(c, c.label in keep) for c in cands)
         layers.append(LayerPlan(i, rows[0].label, rows))
         survivors.append([r.label for r in rows if r.survived])

@@ -77,7 +77,7 @@ def layer_choices(
     if choices is not None:
         return choices, None, None
     if not isinstance(source, Graph) or any(s.edge_values for s in model.describe()):
-        if cfg.pipeline_stages != 1:
+        if cfg.pipeline_stages not in (1, "auto"):  # auto: nothing to choose, partition has no stages
             raise ConfigError(
                 "--pipeline-stages is read by the hybrid and tensor strategies only, and --strategy auto runs "
                 "partition parallelism for attention layers and from part files; drop --pipeline-stages"

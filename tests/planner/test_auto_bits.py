@@ -98,6 +98,26 @@ def test_the_measured_pick_takes_fewer_bits_only_for_a_large_saving():
     assert pick_measured([_row("tensor:4", 3.0), _row("tensor:8", 4.0)], base, auto_bits=True).label == "tensor:4"
 
 
+def test_the_measured_slots_go_to_strategies_and_the_best_full_width_step_is_always_measured():
+    from tessera.datasets import load
+    from tessera.nn import build_model
+    from tessera.planner.plan import MAX_MEASURED, modelled_layers
+    from tessera.train.planning import model_probe
+
+    g = load("synthetic:tiny")
+    probe = model_probe(build_model("gcn", g.num_features, 16, g.num_classes, 2), TrainConfig(nprocs=4))
+    part = np.arange(g.num_nodes) % 4
+    ctx = Context(g, 4, part, StrategyOptions(), _rates(1e-4), (32, 8, 4), True)
+    _, survivors = modelled_layers(ctx, probe)
+    base = StrategyOptions()
+    for kept in survivors:
+        chosen = [parse_entry(label) for label in kept]
+        assert len(kept) <= MAX_MEASURED + 1, kept
+        assert (32, 32) in {c.options(base).exchange_bits() for c in chosen}, kept
+        narrow = [c for c in chosen if c.options(base).exchange_bits() != (32, 32)]
+        assert len({full_width_twin(c) for c in narrow}) == len(narrow), kept  # one width per strategy family
+
+
 def test_entries_name_a_width_per_direction():
     base = StrategyOptions()
     for text, bits in (("partition:prepost:8/32", (8, 32)), ("tensor:4/2", (4, 2)), ("hybrid:2:pre:32/8", (32, 8))):

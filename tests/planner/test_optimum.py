@@ -167,3 +167,20 @@ def test_simulate_plan_prints_that_each_choice_is_the_modelled_optimum(capsys):
     assert main(["simulate", "--dataset", GRAPH, "--parts", "4,16", "--plan", "--hidden", str(HIDDEN), "--json"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
     assert [r["plan"]["check"]["matches"] for r in runs] == [[True, True]] * 2
+
+
+def test_the_simulators_check_agrees_with_the_planner_at_pipeline_stages():
+    # tensor and hybrid candidates at 4 stages: both sides take the pipeline's overlap off the
+    # communication term (planner/candidates.pipelined_s)
+    g, probe, _ = _setup("gcn")
+    for world in (4, 8):
+        part = partition(g, world, "metis", 0)
+        ctx = Context(g, world, part, StrategyOptions(pipeline_stages=4), RATES, BITS)
+        plan = model_plan(ctx, probe)
+        vol = simulate_volumes(g, world, _variant(probe, 0, probe.placements[0][0]), MODES, BITS)
+        layers = optimum_layers(ctx, probe, vol)
+        for layer in layers:
+            for c in layer.candidates:
+                if c.kind in ("tensor", "hybrid"):
+                    assert math.isclose(c.comm_ms, c.simulated_comm_ms, rel_tol=1e-9), (world, c.label)
+        assert all(check_choices(plan, layers).matches), world
