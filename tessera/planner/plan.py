@@ -285,6 +285,23 @@ def model_layers(ctx: Context, probe: LayerProbe) -> list[list[Candidate]]:
     return out
 
 
+def one_stage_twins(cands: list[Candidate], labels: set[str], base: StrategyOptions) -> list[Candidate]:
+    """The candidates of ``cands`` that are one of ``labels``' pipelined candidates at one stage:
+    the model charges each extra stage only its all-to-all's calibrated latency, while a stage also
+    costs its own product and its share of cores (measured: docs/distributed.md), so a stage count
+    above 1 is taken only where it measures faster than its twin."""
+
+    def key(c: Candidate) -> tuple:
+        return (c.choice.strategy, tuple(o for o in c.choice.overrides if o[0] != "pipeline_stages"), c.choice.aggregate_first)  # fmt: skip
+
+    single = {key(c): c for c in cands if c.choice.options(base).pipeline_stages == 1}
+    return [
+        single[key(c)]
+        for c in cands
+        if c.label in labels and c.choice.options(base).pipeline_stages > 1 and key(c) in single
+    ]
+
+
 def modelled_layers(
     ctx: Context, probe: LayerProbe, factor: float = PRUNE_FACTOR, measure: bool = True
 ) -> tuple[list[LayerPlan], list[list[str]]]:
@@ -300,6 +317,8 @@ def modelled_layers(
             full = next((c for c in cands if choice_bits(c.choice, ctx.options) == (32, 32)), None)
             if full is not None:
                 keep.add(full.label)
+        if measure and ctx.stages:  # a pipelined survivor measures against its one-stage twin
+            keep |= {t.label for t in one_stage_twins(cands, keep, ctx.options)}
         rows = tuple(CandidateRow.of(c, c.label in keep) for c in cands)
         layers.append(LayerPlan(i, rows[0].label, rows))
         survivors.append([r.label for r in rows if r.survived])

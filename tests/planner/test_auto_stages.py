@@ -89,3 +89,12 @@ def test_tessera_plan_model_only_chooses_stages(capsys):
     rec = json.loads(capsys.readouterr().out)
     labels = [c["label"] for la in rec["layers"] for c in la["candidates"] if c["label"].startswith("tensor")]
     assert {parse_entry(lab).options(StrategyOptions()).pipeline_stages for lab in labels} == set(AUTO_STAGES)
+
+
+def test_a_pipelined_survivor_is_measured_beside_its_one_stage_twin():
+    from tessera.planner.plan import one_stage_twins
+
+    cheap = _tensor(1.0)
+    twins = one_stage_twins(list(cheap.values()), {cheap[8].label}, StrategyOptions())
+    assert [t.label for t in twins] == [cheap[1].label]
+    assert one_stage_twins(list(cheap.values()), {cheap[1].label}, StrategyOptions()) == []
