@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from tessera.cli.launch import PEER_FAILED
+from tessera.cli.values import int_or_auto
 from tessera.cli.watch import (
     Stopped,
     interrupt_status,
@@ -76,16 +77,6 @@ def package_version() -> str:
         return version("tessera-gnn")
     except PackageNotFoundError:
         return SOURCE_VERSION
-
-
-def int_or_auto(text: str) -> int | str:
-    """An integer flag value, or the word ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or auto, got {text!r}") from None
 
 
 def _add_dataset(p: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ the processes (the link constants then come from --bandwidth-gbps / --latency-us
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on an ``add_subparsers()`` object; returns its parser."""
-    from tessera.cli.main import int_or_auto
+    from tessera.cli.values import int_or_auto
     from tessera.planner.model import DEFAULT_BANDWIDTH_GBPS, DEFAULT_LATENCY_US
     from tessera.planner.plan import PRUNE_FACTOR
 
