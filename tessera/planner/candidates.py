@@ -259,20 +259,27 @@ def choice_bits(choice: LayerChoice, base: StrategyOptions) -> tuple[int, int]:
     return choice.options(base).exchange_bits()
 
 
-def full_width_twin(choice: LayerChoice) -> tuple:
-    """What ``choice`` is apart from its bit widths: candidates with the same key differ only there."""
-    return (choice.strategy, tuple(o for o in choice.overrides if o[0] not in ("comm_bits", "grad_bits")), choice.aggregate_first)  # fmt: skip
+#: the options that hold a choice's bit widths, and its pipeline stages
+BIT_FIELDS = ("comm_bits", "grad_bits")
+STAGE_FIELDS = ("pipeline_stages",)
+
+
+def choice_key(choice: LayerChoice, apart: tuple[str, ...]) -> tuple:
+    """What ``choice`` is apart from the options ``apart``: choices with the same key differ only there."""
+    return (choice.strategy, tuple(o for o in choice.overrides if o[0] not in apart), choice.aggregate_first)
 
 
 def worth_its_bits(candidates: list[Candidate], base: StrategyOptions) -> list[Candidate]:
     """``candidates`` without those below 32 bits whose modelled time is above ``1 -
     AUTO_BITS_GAIN`` of their full-width twin's (every candidate at 32 bits stays)."""
-    full = {full_width_twin(c.choice): c.modelled_s for c in candidates if choice_bits(c.choice, base) == (32, 32)}
+    full = {
+        choice_key(c.choice, BIT_FIELDS): c.modelled_s for c in candidates if choice_bits(c.choice, base) == (32, 32)
+    }
     return [
         c
         for c in candidates
         if choice_bits(c.choice, base) == (32, 32)
-        or c.modelled_s <= (1 - AUTO_BITS_GAIN) * full.get(full_width_twin(c.choice), float("inf"))
+        or c.modelled_s <= (1 - AUTO_BITS_GAIN) * full.get(choice_key(c.choice, BIT_FIELDS), float("inf"))
     ]
 
 
@@ -442,7 +449,6 @@ def layer_candidates(ctx: Context, specs: dict[bool, LayerSpec], natural: bool, 
 #: the options a family's members differ in (:func:`prune`); under ``--comm-bits auto`` the bit
 #: widths too, so that the measured slots go to strategies, not to widths of one
 FAMILY_FREE = ("remote_agg", "pipeline_stages")
-BIT_FIELDS = ("comm_bits", "grad_bits")
 
 
 def prune(
@@ -464,8 +470,7 @@ def prune(
         return kept
     families: dict[tuple, Candidate] = {}
     for c in kept:
-        ch = c.choice
-        families.setdefault((ch.strategy, tuple(o for o in ch.overrides if o[0] not in free), ch.aggregate_first), c)
+        families.setdefault(choice_key(c.choice, free), c)
     first, *rest = families.values()
     rest.sort(key=lambda c: KINDS[c.kind].between)  # stable: modelled order within each group
     return [first, *rest][:limit]

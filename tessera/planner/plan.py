@@ -39,10 +39,12 @@ from tessera.planner.candidates import (
     AUTO_BITS_GAIN,
     BIT_FIELDS,
     FAMILY_FREE,
+    STAGE_FIELDS,
     Candidate,
     Context,
     Costs,
     choice_bits,
+    choice_key,
     layer_candidates,
     prune,
 )
@@ -291,15 +293,9 @@ def one_stage_twins(cands: list[Candidate], labels: set[str], base: StrategyOpti
     costs its own product and its share of cores (measured: docs/distributed.md), so a stage count
     above 1 is taken only where it measures faster than its twin."""
 
-    def key(c: Candidate) -> tuple:
-        return (c.choice.strategy, tuple(o for o in c.choice.overrides if o[0] != "pipeline_stages"), c.choice.aggregate_first)  # fmt: skip
-
-    single = {key(c): c for c in cands if c.choice.options(base).pipeline_stages == 1}
-    return [
-        single[key(c)]
-        for c in cands
-        if c.label in labels and c.choice.options(base).pipeline_stages > 1 and key(c) in single
-    ]
+    single = {choice_key(c.choice, STAGE_FIELDS): c for c in cands if c.choice.options(base).pipeline_stages == 1}
+    pipelined = [c for c in cands if c.label in labels and c.choice.options(base).pipeline_stages > 1]
+    return [single[k] for k in (choice_key(c.choice, STAGE_FIELDS) for c in pipelined) if k in single]
 
 
 def modelled_layers(

@@ -15,7 +15,7 @@ from tessera.errors import ConfigError
 from tessera.parallel.base import StrategyOptions
 from tessera.parallel.mixed import parse_entry
 from tessera.planner.calibrate import Rates
-from tessera.planner.candidates import AUTO_BITS_GAIN, Context, choice_bits, full_width_twin, layer_candidates
+from tessera.planner.candidates import AUTO_BITS_GAIN, BIT_FIELDS, Context, choice_bits, choice_key, layer_candidates
 from tessera.planner.plan import CandidateRow, Costs, pick_measured
 from tessera.sparse import LayerSpec
 from tessera.train.config import TrainConfig, make_config, read_toml
@@ -52,11 +52,16 @@ def test_every_quantized_candidate_saves_the_gain_against_its_32_bit_twin():
     base = StrategyOptions()
     for gbps in (1e-3, 0.05, 1.0):
         cands = _candidates(gbps, True)
-        full = {full_width_twin(c.choice): c.modelled_s for c in cands if choice_bits(c.choice, base) == (32, 32)}
+        full = {
+            choice_key(c.choice, BIT_FIELDS): c.modelled_s for c in cands if choice_bits(c.choice, base) == (32, 32)
+        }
         assert full, gbps
         for c in cands:
             if choice_bits(c.choice, base) != (32, 32):
-                assert c.modelled_s <= (1 - AUTO_BITS_GAIN) * full[full_width_twin(c.choice)] + 1e-15, (gbps, c.label)
+                assert c.modelled_s <= (1 - AUTO_BITS_GAIN) * full[choice_key(c.choice, BIT_FIELDS)] + 1e-15, (
+                    gbps,
+                    c.label,
+                )
         # without auto_bits every width stays, one per choice and direction pair
         every = _candidates(gbps, True, auto=False)
         assert {choice_bits(c.choice, base) for c in every} == {(32, 32), (8, 8), (4, 4)}
@@ -115,7 +120,7 @@ def test_the_measured_slots_go_to_strategies_and_the_best_full_width_step_is_alw
         assert len(kept) <= MAX_MEASURED + 1, kept
         assert (32, 32) in {c.options(base).exchange_bits() for c in chosen}, kept
         narrow = [c for c in chosen if c.options(base).exchange_bits() != (32, 32)]
-        assert len({full_width_twin(c) for c in narrow}) == len(narrow), kept  # one width per strategy family
+        assert len({choice_key(c, BIT_FIELDS) for c in narrow}) == len(narrow), kept  # one width per strategy family
 
 
 def test_entries_name_a_width_per_direction():
